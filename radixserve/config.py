@@ -1,0 +1,82 @@
+"""One options object, built from CLI flags or Engine keyword arguments, passed to every process.
+
+Engine keyword arguments use the CLI flag names with underscores (`--page-size` -> `page_size`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+POLICIES = ("lpm", "fcfs")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Every runtime option. Validated on construction; derived values are properties."""
+
+    model: str = "default"
+    dtype: str = "auto"  # auto: bf16 where the hardware runs it fast (CUDA, AMX/AVX512-BF16 CPUs)
+    device: str = "auto"
+    page_size: int = 16
+    chunk_size: int = 512  # per-step budget of prompt tokens to compute (chunked prefill)
+    max_running_requests: int = 64
+    max_queued_requests: int = 1024
+    kv_pages: int | None = None  # KV pool size in pages; None: from kv_memory_gb
+    kv_memory_gb: float = 2.0
+    context_len: int | None = None  # cap on prompt + output tokens; None: the model's limit
+    schedule_policy: str = "lpm"
+    disable_radix_cache: bool = False
+    seed: int = 0  # for requests that bring no seed of their own
+    debug_checks: bool = False  # cross-check page accounting after every step
+    startup_timeout: float = 300.0
+    # HTTP server
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        _choice("dtype", self.dtype, DTYPES)
+        _choice("device", self.device, DEVICES)
+        _choice("schedule_policy", self.schedule_policy, POLICIES)
+        _at_least("page_size", self.page_size, 1)
+        _at_least("chunk_size", self.chunk_size, 1)
+        _at_least("max_running_requests", self.max_running_requests, 1)
+        _at_least("max_queued_requests", self.max_queued_requests, 1)
+        if self.kv_pages is not None:
+            _at_least("kv_pages", self.kv_pages, 2)
+        if self.kv_memory_gb <= 0:
+            raise ValueError(f"kv_memory_gb must be > 0, got {self.kv_memory_gb}")
+        if self.context_len is not None:
+            _at_least("context_len", self.context_len, 2)
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: object) -> ServerConfig:
+        """Build from Engine keyword arguments, naming any unknown option."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ValueError(f"unknown option(s) {unknown}; known: {sorted(names)}")
+        return cls(**kwargs)  # type: ignore[arg-type]
+
+    def to_dict(self) -> dict[str, object]:
+        """The options, with the API key hidden (for /server_info and logs)."""
+        out = dataclasses.asdict(self)
+        if out["api_key"] is not None:
+            out["api_key"] = "***"
+        return out
+
+
+def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
+
+
+def _at_least(name: str, value: int, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")

@@ -1,0 +1,237 @@
+"""Every message between radixserve's processes, as msgspec Structs encoded with msgpack.
+
+No torch in here and no pickle anywhere: a socket only ever carries these types.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
+    """How to pick the next token, and when to stop. Validated by the front before it travels.
+
+    temperature 0 means greedy (exact argmax). Penalties follow the usual conventions:
+    `repetition_penalty` (multiplicative, over prompt and output tokens, 1.0 = off),
+    `frequency_penalty` / `presence_penalty` (additive, over output tokens, 0.0 = off).
+    `top_k` 0 or -1 = off, `top_p` 1.0 = off, `min_p` 0.0 = off.
+    """
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    n: int = 1
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    """Stop the receiving process cleanly."""
+
+
+# --------------------------------------------------------------------------- front -> scheduler
+
+
+class TokenizedRequest(msgspec.Struct, tag=True, omit_defaults=True):
+    """A validated, tokenized request. `rid` is unique among live requests."""
+
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    return_logprob: bool = False
+    logprob_start_len: int = -1  # first prompt position whose logprob is returned; -1 = none
+    top_logprobs_num: int = 0
+    cache_salt: str | None = None  # cache namespace (tenant); None = the shared namespace
+
+
+class AbortRequest(msgspec.Struct, tag=True):
+    """Stop a request (client went away, or asked); its pages are freed at the next step."""
+
+    rid: str
+
+
+class FlushCache(msgspec.Struct, tag=True):
+    """Drop every unlocked cached prefix. Answered with `FlushCacheDone`."""
+
+    req_id: int
+
+
+class GetStats(msgspec.Struct, tag=True):
+    """Ask the scheduler for its counters. Answered with `SchedulerStats`; doubles as a liveness probe."""
+
+    req_id: int
+
+
+FrontToScheduler = TokenizedRequest | AbortRequest | FlushCache | GetStats | Shutdown
+
+
+# --------------------------------------------------------------------------- scheduler -> front
+
+
+class FinishReason(msgspec.Struct, frozen=True):
+    type: str  # "stop" | "length" | "abort"
+    matched: int | str | None = None  # the stop token id or stop string, for type "stop"
+    message: str | None = None  # why, for "abort"
+
+
+class RequestOutput(msgspec.Struct, omit_defaults=True, array_like=True):
+    """What happened to one request in one step: new tokens, and how it ended if it did."""
+
+    rid: str
+    index: int  # which of the request's n samples
+    new_token_ids: list[int]
+    prompt_tokens: int
+    cached_tokens: int
+    finish: FinishReason | None = None
+    output_logprobs: list[float] = []
+    output_top_logprobs: list[list[tuple[int, float]]] = []
+    input_logprobs: list[float | None] = []  # once, with the first output; first prompt token: None
+    input_top_logprobs: list[list[tuple[int, float]]] = []
+
+
+class TokenBatchOut(msgspec.Struct, tag=True):
+    outputs: list[RequestOutput]
+
+
+class RequestRejected(msgspec.Struct, tag=True):
+    """The scheduler refused a request it cannot serve (queue full, too large for the pool).
+
+    Also sent, with the request's rid, when a request failed after admission.
+    """
+
+    rid: str
+    message: str
+    retryable: bool = False  # True: try again later (queue full), maps to HTTP 503
+
+
+class FlushCacheDone(msgspec.Struct, tag=True):
+    req_id: int
+    freed_pages: int
+    ok: bool  # False when requests were running (their pages stay cached)
+
+
+class SchedulerStats(msgspec.Struct, tag=True):
+    req_id: int
+    num_running: int
+    num_waiting: int
+    total_pages: int
+    free_pages: int
+    cached_pages: int  # held by the radix tree (evictable or locked)
+    running_pages: int  # held by running requests and not by the tree
+    prompt_tokens_total: int
+    cached_prompt_tokens_total: int
+    generation_tokens_total: int
+    num_retractions_total: int
+    last_step_time: float  # time.time() of the last finished forward (0 if none)
+
+
+class SchedulerReady(msgspec.Struct, tag=True):
+    """Sent once the worker has loaded the model; what the front must know to validate requests."""
+
+    total_pages: int
+    page_size: int
+    context_len: int  # max tokens of one request (prompt + output)
+    vocab_size: int
+    eos_token_ids: list[int]
+    model_path: str
+    dtype: str
+    device: str
+
+
+SchedulerToFront = TokenBatchOut | RequestRejected | FlushCacheDone | SchedulerStats | SchedulerReady
+
+
+# --------------------------------------------------------------------------- scheduler <-> worker
+
+
+class NewRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A request the worker has not seen: its sampling settings, once."""
+
+    rid: str
+    sampling: SamplingParams
+    top_logprobs_num: int = 0
+    prompt_ids: list[int] = []  # only when a repetition penalty needs the whole prompt
+
+
+class Chunk(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Tokens of one request to compute this step, at positions prefix_len .. prefix_len+len-1."""
+
+    rid: str
+    row: int
+    prefix_len: int
+    token_ids: list[int]
+    sample: bool  # the chunk ends the request's known tokens: sample the next one
+    input_logprobs_from: int = -1  # return logprobs of the chunk's tokens from this offset on
+    next_token_id: int = -1  # token after the chunk, target of its last position's input logprob
+
+
+class ForwardBatch(msgspec.Struct, tag=True, omit_defaults=True):
+    """One step's work, as diffs against what the worker already knows. O(batch), not O(context).
+
+    The worker applies, in order: `released` rows, `new_requests`, `assigned` rows (whole page
+    lists, for admitted or resumed requests), `appended` pages, then runs `chunks`.
+    """
+
+    chunks: list[Chunk]
+    new_requests: list[NewRequest] = []
+    assigned: list[tuple[int, list[int]]] = []  # (row, its pages), replacing what the row held
+    appended: list[tuple[int, list[int]]] = []  # (row, pages added at the end)
+    released: list[int] = []  # rows whose requests left; their worker state is dropped
+    finished: list[str] = []  # rids whose sampling state can be dropped
+
+
+class ChunkResult(msgspec.Struct, array_like=True, omit_defaults=True):
+    next_token_id: int = -1  # when the chunk sampled
+    logprob: float = 0.0  # of next_token_id under the model's distribution
+    top_logprobs: list[tuple[int, float]] = []
+    input_logprobs: list[float] = []  # for input_logprobs_from .. end of chunk
+    input_top_logprobs: list[list[tuple[int, float]]] = []
+
+
+class ForwardResult(msgspec.Struct, tag=True):
+    results: list[ChunkResult]  # one per chunk, in order
+    forward_time: float
+
+
+class WorkerReady(msgspec.Struct, tag=True):
+    total_pages: int
+    page_size: int
+    context_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    model_path: str
+    dtype: str
+    device: str
+
+
+class WorkerFailed(msgspec.Struct, tag=True):
+    """The worker could not start or run a step; it exits after sending this."""
+
+    message: str
+
+
+SchedulerToWorker = ForwardBatch | Shutdown
+WorkerToScheduler = ForwardResult | WorkerReady | WorkerFailed

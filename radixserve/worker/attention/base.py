@@ -1,0 +1,87 @@
+"""The attention-backend interface: plan once per forward, then one call per layer.
+
+The model never sees page ids. The model runner describes a forward as an `AttentionBatch`, the
+backend turns it into whatever indices its kernels want (`plan`), and every attention layer calls
+`forward(q, k, v, layer_id)`, which stores the new keys/values in their pages and attends over
+each request's whole context (cached prefix + new tokens, causal).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from radixserve.worker.kv_pool import KVPool
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """Head layout of the attention layers; the same for every layer of a model."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+
+
+@dataclass(frozen=True)
+class AttentionBatch:
+    """One forward over a mixed batch, requests in the order their new tokens are packed.
+
+    Request i owns `page_table[i, :ceil(seq_len_i / page_size)]`. Its first `prefix_lens[i]`
+    tokens are already stored in those pages; its `extend_lens[i]` new tokens (a prefill chunk,
+    or 1 for a decode step) sit at positions `prefix_lens[i] .. seq_len_i - 1`:
+
+        page_size = 4, prefix_len = 6, extend_len = 3
+        page_table[i]:  |  p7  |  p2  |  p5  |
+        positions:       0123   4567   89
+                         cached--- new
+
+    The pages for the new tokens must already be assigned (the scheduler allocates them).
+    """
+
+    page_size: int
+    page_table: torch.Tensor  # [B, max_pages] int64, this batch's rows, padded with 0
+    prefix_lens: list[int]
+    extend_lens: list[int]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.extend_lens)
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return [p + e for p, e in zip(self.prefix_lens, self.extend_lens)]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.extend_lens)
+
+    @property
+    def is_decode(self) -> bool:
+        """True when every request adds exactly one token (a pure decode step)."""
+        return all(e == 1 for e in self.extend_lens)
+
+
+class AttentionBackend(ABC):
+    """Paged attention over a `KVPool`. One instance per worker, reused for every forward."""
+
+    def __init__(self, pool: KVPool, shape: AttentionShape) -> None:
+        self.pool = pool
+        self.shape = shape
+
+    @abstractmethod
+    def plan(self, batch: AttentionBatch) -> None:
+        """Prepare indices for one forward; every layer's `forward` until the next plan uses them."""
+
+    @abstractmethod
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int
+    ) -> torch.Tensor:
+        """Store k, v of the new tokens in their pages and attend.
+
+        q: [T, H, D], k and v: [T, Hkv, D] for the T new tokens of the planned batch.
+        Returns [T, H, D].
+        """

@@ -1,0 +1,98 @@
+"""Paged attention in plain PyTorch: the CPU backend and the reference for the CUDA one.
+
+Decode requests (one new token each) are attended in one batched call over their gathered,
+padded contexts; requests with several new tokens (prefill chunks) are attended one by one,
+each with a causal mask offset by its cached prefix. A request with no cached prefix attends
+straight over its new keys and values without touching the pool.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from radixserve.worker.attention.base import AttentionBackend, AttentionBatch
+
+
+class TorchNativeBackend(AttentionBackend):
+    """Exact paged attention with `scaled_dot_product_attention`."""
+
+    def plan(self, batch: AttentionBatch) -> None:
+        device = self.pool.device
+        ps = batch.page_size
+        seq_lens = batch.seq_lens
+        page_table = batch.page_table.to(device)
+        max_len = max(seq_lens)
+        # slots[i, pos] = flat slot of position pos of request i (garbage past seq_len i)
+        pos = torch.arange(max_len, device=device)
+        page_idx = (pos // ps).clamp(max=page_table.shape[1] - 1)
+        slots = page_table[:, page_idx] * ps + pos % ps  # [B, max_len]
+        self._out_slots = torch.cat(
+            [slots[i, p:s] for i, (p, s) in enumerate(zip(batch.prefix_lens, seq_lens))]
+        )  # [T]
+
+        starts = [0]
+        for e in batch.extend_lens:
+            starts.append(starts[-1] + e)
+        decode = [i for i, e in enumerate(batch.extend_lens) if e == 1]
+        self._extends = [
+            _Extend(starts[i], starts[i + 1], batch.prefix_lens[i], slots[i, : seq_lens[i]])
+            for i, e in enumerate(batch.extend_lens)
+            if e > 1
+        ]
+        self._decode_rows = None
+        if decode:
+            lens = torch.tensor([seq_lens[i] for i in decode], device=device)
+            dec_len = int(lens.max())
+            self._decode_rows = torch.tensor([starts[i] for i in decode], device=device)
+            self._decode_slots = slots[decode, :dec_len]  # [Bd, L]
+            # [Bd, 1, 1, L]: True where the key position is part of the request's context
+            self._decode_mask = (pos[:dec_len][None, :] < lens[:, None])[:, None, None, :]
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int
+    ) -> torch.Tensor:
+        k_pool = self.pool.flat_k(layer_id)
+        v_pool = self.pool.flat_v(layer_id)
+        k_pool[self._out_slots] = k
+        v_pool[self._out_slots] = v
+        scale = self.shape.scale
+        out = torch.empty_like(q)
+        for ext in self._extends:
+            qi = q[ext.start : ext.end].transpose(0, 1).unsqueeze(0)  # [1, H, E, D]
+            if ext.prefix_len == 0:
+                ki, vi = k[ext.start : ext.end], v[ext.start : ext.end]  # [E, Hkv, D]
+                mask, causal = None, True
+            else:
+                ki, vi = k_pool[ext.slots], v_pool[ext.slots]  # [S, Hkv, D]
+                mask, causal = _offset_causal_mask(ext.end - ext.start, ext.prefix_len, q.device), False
+            oi = F.scaled_dot_product_attention(
+                qi, ki.transpose(0, 1).unsqueeze(0), vi.transpose(0, 1).unsqueeze(0),
+                attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True,
+            )  # [1, H, E, D]
+            out[ext.start : ext.end] = oi[0].transpose(0, 1)
+        if self._decode_rows is not None:
+            qd = q[self._decode_rows].unsqueeze(2)  # [Bd, H, 1, D]
+            kd = k_pool[self._decode_slots].transpose(1, 2)  # [Bd, Hkv, L, D]
+            vd = v_pool[self._decode_slots].transpose(1, 2)
+            od = F.scaled_dot_product_attention(
+                qd, kd, vd, attn_mask=self._decode_mask, scale=scale, enable_gqa=True
+            )  # [Bd, H, 1, D]
+            out[self._decode_rows] = od.squeeze(2)
+        return out
+
+
+class _Extend:
+    """A request with several new tokens: its rows in the packed q and its context's slots."""
+
+    __slots__ = ("start", "end", "prefix_len", "slots")
+
+    def __init__(self, start: int, end: int, prefix_len: int, slots: torch.Tensor) -> None:
+        self.start, self.end, self.prefix_len, self.slots = start, end, prefix_len, slots
+
+
+def _offset_causal_mask(num_new: int, prefix_len: int, device: torch.device) -> torch.Tensor:
+    """[E, prefix+E] bool: new token i sees every cached token and new tokens 0..i."""
+    rows = torch.arange(num_new, device=device)[:, None] + prefix_len
+    cols = torch.arange(prefix_len + num_new, device=device)[None, :]
+    return cols <= rows

@@ -1,0 +1,75 @@
+"""One forward over a mixed batch of prefill chunks and decode steps, on paged KV."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from radixserve.worker.attention.base import AttentionBackend, AttentionBatch
+from radixserve.worker.page_table import PageTable
+
+
+@dataclass(frozen=True)
+class SequenceChunk:
+    """The part of one request computed in this forward.
+
+    The request's page-table row must already hold pages for `prefix_len + len(token_ids)`
+    tokens; the first `prefix_len` of them (a cache hit, or earlier chunks) are already stored.
+    """
+
+    row: int
+    prefix_len: int
+    token_ids: list[int]
+    all_logits: bool = False  # also return logits of every new token (prompt logprobs)
+
+
+@dataclass(frozen=True)
+class ForwardOutput:
+    last_logits: torch.Tensor  # [B, V] float32: logits after each chunk's last token
+    all_logits: list[torch.Tensor | None]  # per chunk [len(token_ids), V] when asked, else None
+
+
+class ModelRunner:
+    """Runs the model over paged KV. Knows page tables and positions; the model knows neither."""
+
+    def __init__(self, model: torch.nn.Module, page_table: PageTable, backend: AttentionBackend) -> None:
+        self.model = model
+        self.page_table = page_table
+        self.backend = backend
+        self.device = backend.pool.device
+
+    @torch.inference_mode()
+    def forward(self, chunks: list[SequenceChunk]) -> ForwardOutput:
+        if not chunks or any(not c.token_ids for c in chunks):
+            raise ValueError("a forward needs at least one chunk, each with at least one new token")
+        page_size = self.backend.pool.page_size
+        for c in chunks:
+            need = -(-(c.prefix_len + len(c.token_ids)) // page_size)
+            if self.page_table.num_pages(c.row) < need:
+                raise ValueError(
+                    f"row {c.row} holds {self.page_table.num_pages(c.row)} pages, "
+                    f"needs {need} for {c.prefix_len + len(c.token_ids)} tokens"
+                )
+        batch = AttentionBatch(
+            page_size=page_size,
+            page_table=self.page_table.gather([c.row for c in chunks]),
+            prefix_lens=[c.prefix_len for c in chunks],
+            extend_lens=[len(c.token_ids) for c in chunks],
+        )
+        self.backend.plan(batch)
+        input_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.int64, device=self.device)
+        positions = torch.cat(
+            [torch.arange(c.prefix_len, c.prefix_len + len(c.token_ids)) for c in chunks]
+        ).to(self.device)
+        hidden = self.model(input_ids, positions, self.backend)  # [T, hidden]
+
+        ends = torch.tensor(batch.extend_lens).cumsum(0)
+        last_logits = self.model.compute_logits(hidden[(ends - 1).to(self.device)])
+        all_logits: list[torch.Tensor | None] = []
+        for c, end in zip(chunks, ends.tolist()):
+            if c.all_logits:
+                all_logits.append(self.model.compute_logits(hidden[end - len(c.token_ids) : end]))
+            else:
+                all_logits.append(None)
+        return ForwardOutput(last_logits, all_logits)

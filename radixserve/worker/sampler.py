@@ -1,0 +1,130 @@
+"""Turning logits into next tokens: penalties, temperature, top-k/top-p/min-p, seeds, logprobs.
+
+Greedy rows take an exact argmax of the raw logits (after penalties), so greedy outputs match
+Hugging Face's greedy `generate`. Reported logprobs are always those of the model's own
+distribution (log-softmax of the raw logits), whatever the sampling settings, which is what
+scoring (`select`) and OpenAI-style `logprobs` expect.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from radixserve.protocol import SamplingParams
+
+
+@dataclass
+class SamplingState:
+    """A request's sampling inputs that live on the worker for its whole life."""
+
+    params: SamplingParams
+    prompt_ids: list[int]
+    output_ids: list[int] = field(default_factory=list)
+    top_logprobs_num: int = 0
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.seed is not None and self.generator is None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Logprob of chosen tokens, with the top alternatives when asked."""
+
+    logprobs: list[float]
+    top: list[list[tuple[int, float]]]  # per token: (token id, logprob), best first; [] if not asked
+
+
+@dataclass(frozen=True)
+class SampleOutput:
+    token_ids: list[int]
+    logprobs: TokenLogprobs
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, top_n: list[int]) -> TokenLogprobs:
+    """Logprobs of `token_ids` under `logits` ([N, V] raw), with `top_n[i]` alternatives for row i."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp.gather(1, token_ids.view(-1, 1)).squeeze(1).tolist()
+    top: list[list[tuple[int, float]]] = [[] for _ in range(logits.shape[0])]
+    k = max(top_n, default=0)
+    if k > 0:
+        values, indices = logp.topk(k, dim=-1)
+        values, indices = values.tolist(), indices.tolist()
+        for i, n in enumerate(top_n):
+            top[i] = list(zip(indices[i][:n], values[i][:n]))
+    return TokenLogprobs(chosen, top)
+
+
+class Sampler:
+    """Samples one token per row of logits, each row with its own request's settings."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self._shared_generator = torch.Generator()
+
+    def seed(self, seed: int) -> None:
+        """Seed the generator used by requests that bring no seed of their own."""
+        self._shared_generator.manual_seed(seed)
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, states: list[SamplingState]) -> SampleOutput:
+        """logits: [B, V] for B requests in `states`' order. Returns one token id per request."""
+        raw = logits.float()
+        logits = self._apply_penalties(raw, states)
+        greedy = [s.params.is_greedy for s in states]
+        next_ids = logits.argmax(dim=-1)  # [B]
+        sampled_rows = [i for i, g in enumerate(greedy) if not g]
+        if sampled_rows:
+            rows = torch.tensor(sampled_rows)
+            picked = self._sample_rows(logits[rows], [states[i] for i in sampled_rows])
+            next_ids[rows] = picked
+        lp = token_logprobs(raw, next_ids, [s.top_logprobs_num for s in states])
+        return SampleOutput(next_ids.tolist(), lp)
+
+    def _apply_penalties(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+        rows = [i for i, s in enumerate(states) if s.params.uses_penalties]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        for i in rows:
+            p = states[i].params
+            out = torch.tensor(states[i].output_ids, dtype=torch.int64)
+            if p.repetition_penalty != 1.0:
+                seen = torch.cat([torch.tensor(states[i].prompt_ids, dtype=torch.int64), out]).unique()
+                vals = logits[i, seen]
+                logits[i, seen] = torch.where(
+                    vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
+                )
+            if out.numel() and (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0):
+                counts = torch.bincount(out, minlength=self.vocab_size).to(logits.dtype)
+                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+        return logits
+
+    def _sample_rows(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+        """Temperature, then top-k, top-p and min-p on the sorted distribution, then one draw per row."""
+        temps = torch.tensor([s.params.temperature for s in states], dtype=logits.dtype)
+        probs_sorted, order = torch.sort(torch.softmax(logits / temps[:, None], dim=-1), dim=-1, descending=True)
+        keep = torch.ones_like(probs_sorted, dtype=torch.bool)
+        rank = torch.arange(probs_sorted.shape[1])
+        for i, s in enumerate(states):
+            p = s.params
+            if p.top_k > 0:
+                keep[i] &= rank < p.top_k
+            if p.top_p < 1.0:
+                # keep the smallest head whose mass reaches top_p (the first token always stays)
+                before = probs_sorted[i].cumsum(0) - probs_sorted[i]
+                keep[i] &= before < p.top_p
+            if p.min_p > 0.0:
+                keep[i] &= probs_sorted[i] >= p.min_p * probs_sorted[i, 0]
+        keep[:, 0] = True
+        probs_sorted = probs_sorted * keep
+        picked = torch.empty(len(states), dtype=torch.int64)
+        for i, s in enumerate(states):
+            gen = s.generator or self._shared_generator
+            # exponential race: argmax(p / E) with E ~ Exp(1) draws index j with probability p_j
+            noise = torch.empty_like(probs_sorted[i]).exponential_(generator=gen)
+            picked[i] = order[i, torch.argmax(probs_sorted[i] / noise)]
+        return picked

@@ -1,0 +1,129 @@
+"""The worker: model weights, KV pool, page tables, attention backend and sampler.
+
+It applies the scheduler's per-step diffs to its mirror of the page tables, runs one forward,
+samples, and answers with token ids. It never decides anything about memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from radixserve.config import ServerConfig
+from radixserve.protocol import ChunkResult, ForwardBatch, ForwardResult, WorkerReady
+from radixserve.worker.attention.torch_native import TorchNativeBackend
+from radixserve.worker.device import dtype_name, resolve_device, resolve_dtype
+from radixserve.worker.kv_pool import KVPool
+from radixserve.worker.model_runner import ModelRunner, SequenceChunk
+from radixserve.worker.page_table import PageTable
+from radixserve.worker.sampler import Sampler, SamplingState, token_logprobs
+
+log = logging.getLogger("radixserve.worker")
+
+
+class Worker:
+    def __init__(self, config: ServerConfig) -> None:
+        from radixserve.models.loader import load_model  # heavy import, only in the worker
+
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        loaded = load_model(config.model, dtype=self.dtype, device=self.device)
+        self.model_path = str(loaded.path)
+        mc = loaded.config
+        self.vocab_size = mc.vocab_size
+        self.eos_token_ids = list(mc.eos_token_ids)
+        shape = loaded.model.attention_shape()
+        page_bytes = KVPool.bytes_per_page(
+            mc.num_layers, config.page_size, shape.num_kv_heads, shape.head_dim, self.dtype
+        )
+        num_pages = config.kv_pages or max(2, int(config.kv_memory_gb * 2**30) // page_bytes)
+        # one request must always fit in the pool on its own, so retraction can always make progress
+        self.context_len = min(config.context_len or mc.max_position_embeddings, num_pages * config.page_size)
+        self.pool = KVPool(
+            mc.num_layers, num_pages, config.page_size, shape.num_kv_heads, shape.head_dim,
+            self.dtype, self.device,
+        )
+        self.page_table = PageTable(
+            config.max_running_requests, -(-self.context_len // config.page_size), self.device
+        )
+        self.runner = ModelRunner(loaded.model, self.page_table, TorchNativeBackend(self.pool, shape))
+        self.sampler = Sampler(self.vocab_size)
+        self.sampler.seed(config.seed)
+        self.states: dict[str, SamplingState] = {}
+        log.info(
+            "worker ready: model %s, %s on %s, KV pool %d pages x %d tokens (%.2f GiB)",
+            self.model_path, dtype_name(self.dtype), self.device, num_pages, config.page_size,
+            num_pages * page_bytes / 2**30,
+        )
+
+    def ready_message(self) -> WorkerReady:
+        return WorkerReady(
+            total_pages=self.pool.num_pages,
+            page_size=self.pool.page_size,
+            context_len=self.context_len,
+            vocab_size=self.vocab_size,
+            eos_token_ids=self.eos_token_ids,
+            model_path=self.model_path,
+            dtype=dtype_name(self.dtype),
+            device=str(self.device),
+        )
+
+    def step(self, batch: ForwardBatch) -> ForwardResult:
+        start = time.perf_counter()
+        self._apply(batch)
+        results = [ChunkResult() for _ in batch.chunks]
+        if batch.chunks:
+            self._run(batch, results)
+        return ForwardResult(results, time.perf_counter() - start)
+
+    def _apply(self, batch: ForwardBatch) -> None:
+        for row in batch.released:
+            self.page_table.release(row)
+        for rid in batch.finished:
+            self.states.pop(rid, None)
+        for new in batch.new_requests:
+            self.states[new.rid] = SamplingState(new.sampling, new.prompt_ids, top_logprobs_num=new.top_logprobs_num)
+        for row, pages in batch.assigned:
+            self.page_table.assign(row, pages)
+        for row, pages in batch.appended:
+            self.page_table.append(row, pages)
+
+    def _run(self, batch: ForwardBatch, results: list[ChunkResult]) -> None:
+        out = self.runner.forward(
+            [
+                SequenceChunk(c.row, c.prefix_len, c.token_ids, all_logits=c.input_logprobs_from >= 0)
+                for c in batch.chunks
+            ]
+        )
+        sampling = [i for i, c in enumerate(batch.chunks) if c.sample]
+        if sampling:
+            states = [self.states[batch.chunks[i].rid] for i in sampling]
+            sampled = self.sampler.sample(out.last_logits[sampling], states)
+            for k, i in enumerate(sampling):
+                token = sampled.token_ids[k]
+                states[k].output_ids.append(token)
+                results[i].next_token_id = token
+                results[i].logprob = sampled.logprobs.logprobs[k]
+                results[i].top_logprobs = sampled.logprobs.top[k]
+        for i, c in enumerate(batch.chunks):
+            if c.input_logprobs_from >= 0:
+                self._input_logprobs(c, out.all_logits[i], results[i])
+
+    def _input_logprobs(self, chunk, logits: torch.Tensor, result: ChunkResult) -> None:
+        """Logprob of each token after position `input_logprobs_from` of the chunk, given the tokens before it.
+
+        The last position's target is `next_token_id` when the chunk does not end the prompt;
+        when it does, that position scores the sampled output token instead (an output logprob).
+        """
+        targets = chunk.token_ids[chunk.input_logprobs_from + 1 :]
+        if not chunk.sample:
+            targets = targets + [chunk.next_token_id]
+        if not targets:
+            return
+        rows = logits[chunk.input_logprobs_from : chunk.input_logprobs_from + len(targets)]
+        top_n = self.states[chunk.rid].top_logprobs_num
+        lp = token_logprobs(rows, torch.tensor(targets, device=rows.device), [top_n] * len(targets))
+        result.input_logprobs = lp.logprobs
+        result.input_top_logprobs = lp.top
