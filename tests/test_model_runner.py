@@ -92,7 +92,7 @@ def test_mixed_batch_equals_each_request_alone(tiny_model_dirs, page_size):
         batch.give_pages(i, len(toks))
         chunks.append(SequenceChunk(i, done, toks[done:], all_logits=True))
     res = batch.runner.forward(chunks)
-    for i, (toks, done) in enumerate(cases):
+    for i, (_, done) in enumerate(cases):
         assert (res.all_logits[i] - expected[i][done:]).abs().max() < ATOL, i
         assert (res.last_logits[i] - expected[i][-1]).abs().max() < ATOL, i
 

@@ -115,10 +115,11 @@ class Worker:
         """Logprob of each token after position `input_logprobs_from` of the chunk, given the tokens before it.
 
         The last position's target is `next_token_id` when the chunk does not end the prompt;
-        when it does, that position scores the sampled output token instead (an output logprob).
+        when it does, that position scores the sampled output token instead (an output logprob),
+        or nothing at all (max_new_tokens 0).
         """
         targets = chunk.token_ids[chunk.input_logprobs_from + 1 :]
-        if not chunk.sample:
+        if not chunk.sample and chunk.next_token_id >= 0:
             targets = targets + [chunk.next_token_id]
         if not targets:
             return

@@ -1,0 +1,84 @@
+"""The Llama family as one model: Llama 2/3, SmolLM2, Mistral, Qwen2 and Qwen3.
+
+They differ only in flags of `ModelConfig` (qkv bias, q/k norm, rope scaling, tied embeddings),
+so one class serves them all. Every forward works on the packed new tokens of a whole batch,
+[T] ids and positions, with no batch dimension; the attention backend knows which request each
+token belongs to and where its cached keys/values live.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixserve.models.config import ModelConfig
+from radixserve.models.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
+from radixserve.worker.attention.base import AttentionBackend, AttentionShape
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(.))."""
+
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_id)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(config)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)  # [T, hidden]
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder-only transformer; parameter names follow HF's minus the `model.` prefix, with
+    q/k/v fused into `qkv_proj` and gate/up into `gate_up_proj` (the loader concatenates them)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        # weights come from the checkpoint: skip nn.Embedding's random init (on the meta device
+        # it would import torch._refs, about a second of every load)
+        embed = torch.empty(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=embed)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
+        """input_ids, positions: [T] int64, all requests' new tokens packed, in the order of the
+        batch `attn` was planned for. Returns hidden states [T, hidden] after the final norm."""
+        h = self.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.rotary(positions, h.dtype)  # [T, D] each, shared by all layers
+        for layer in self.layers:
+            h = layer(h, cos, sin, attn)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32 logits; call it only on the rows to be sampled."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def attention_shape(self) -> AttentionShape:
+        c = self.config
+        return AttentionShape(c.num_heads, c.num_kv_heads, c.head_dim, scale=c.head_dim**-0.5)
+
+
+# HF `architectures` string -> model class
+ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}

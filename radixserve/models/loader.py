@@ -1,0 +1,110 @@
+"""Load a model spec into our own model, reading safetensors directly (no transformers).
+
+The model is built on the meta device (no memory, no random init) and the checkpoint tensors
+are assigned into it, cast to the requested dtype and moved to the device once each.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from radixserve.models.config import ModelConfig
+from radixserve.models.llama import ARCHITECTURES, LlamaForCausalLM
+from radixserve.models.resolve import resolve_model
+
+# our fused module -> the HF modules it concatenates (along dim 0, in this order)
+_FUSED = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+# checkpoint tensors we recompute ourselves
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: LlamaForCausalLM
+    config: ModelConfig
+    path: Path  # the HF folder; the tokenizer files live here
+
+
+def load_model(
+    spec: str | Path, dtype: torch.dtype | None = None, device: torch.device | str = "cpu"
+) -> LoadedModel:
+    """Resolve `spec` (see resolve.py), build the model and load its weights.
+
+    dtype None keeps the checkpoint's dtype. Raises ModelNotFoundError or ValueError naming the
+    path for a missing or unusable model, including missing or unexpected weights.
+    """
+    path = resolve_model(spec)
+    config = ModelConfig.from_folder(path)
+    if config.architecture not in ARCHITECTURES:
+        raise ValueError(
+            f"{path}: architecture {config.architecture} is not supported "
+            f"(supported: {', '.join(sorted(ARCHITECTURES))})"
+        )
+    with torch.device("meta"):
+        model = ARCHITECTURES[config.architecture](config)
+    state = _read_weights(path, model, dtype or config.torch_dtype, torch.device(device))
+    model.load_state_dict(state, assign=True)
+    return LoadedModel(model.eval().requires_grad_(False), config, path)
+
+
+def _hf_names(name: str) -> list[str]:
+    """Our parameter name -> the HF checkpoint tensors it is made of.
+
+    layers.3.self_attn.qkv_proj.weight -> model.layers.3.self_attn.{q,k,v}_proj.weight
+    """
+    hf = name if name.startswith("lm_head.") else f"model.{name}"
+    module, _, leaf = hf.rpartition(".")
+    parent, _, last = module.rpartition(".")
+    if last in _FUSED:
+        return [f"{parent}.{part}.{leaf}" for part in _FUSED[last]]
+    return [hf]
+
+
+def _read_weights(
+    path: Path, model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """Our state dict from the folder's safetensors files; every tensor checked by name and shape."""
+    with ExitStack() as stack:
+        files = [
+            stack.enter_context(safe_open(f, framework="pt", device="cpu"))
+            for f in sorted(path.glob("*.safetensors"))
+        ]
+        where = {name: f for f in files for name in f.keys()}  # HF name -> open file
+        state, missing, used = {}, [], set()
+        for name, param in model.state_dict().items():
+            parts = _hf_names(name)
+            absent = [p for p in parts if p not in where]
+            if absent:
+                missing += absent
+                continue
+            tensors = [where[p].get_tensor(p).to(device, dtype) for p in parts]
+            tensor = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+            if tensor.shape != param.shape:
+                raise ValueError(
+                    f"{path}: weight {name} has shape {tuple(tensor.shape)}, "
+                    f"the config implies {tuple(param.shape)}"
+                )
+            state[name] = tensor
+            used.update(parts)
+    if model.config.tie_word_embeddings:
+        used.add("lm_head.weight")  # some tied checkpoints store the copy anyway
+    unexpected = sorted(n for n in where if n not in used and not n.endswith(_IGNORED_SUFFIXES))
+    if missing or unexpected:
+        raise ValueError(
+            f"{path}: checkpoint does not match {model.config.architecture}: "
+            f"missing {_preview(missing)}, unexpected {_preview(unexpected)}"
+        )
+    return state
+
+
+def _preview(names: list[str], limit: int = 5) -> str:
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return f"{names[:limit]}{more}" if names else "none"

