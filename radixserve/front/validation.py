@@ -1,0 +1,238 @@
+"""Checking what clients send, in the front, before anything reaches the scheduler.
+
+Every bad value becomes an `InvalidRequest` (HTTP 400) naming the parameter: an empty prompt, a
+huge ``n``, an out-of-vocabulary token id or a constraint we cannot honour must never get as far as
+the scheduler or the GPU. Nothing is silently ignored: unknown keys and unsupported features are
+errors. ``None`` for any sampling parameter means "use the default", as OpenAI clients send it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
+
+from radixserve.protocol import SamplingParams
+
+MAX_SEED = 2**63 - 1
+_DEFAULTS = SamplingParams()
+_KNOWN = frozenset(SamplingParams.__struct_fields__)
+_UNSUPPORTED = ("json_schema", "regex", "ebnf")  # constrained decoding
+_JSON_TYPES = {
+    bool: "boolean",
+    int: "integer",
+    float: "number",
+    str: "string",
+    list: "array",
+    dict: "object",
+    type(None): "null",
+}
+_Num = TypeVar("_Num", int, float)
+# name -> (low, high, low excluded)
+_FLOAT_RANGES = {
+    "temperature": (0.0, 100.0, False),
+    "top_p": (0.0, 1.0, True),
+    "min_p": (0.0, 1.0, False),
+    "frequency_penalty": (-2.0, 2.0, False),
+    "presence_penalty": (-2.0, 2.0, False),
+    "repetition_penalty": (0.0, 10.0, True),
+}
+_BOOLS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
+
+
+class InvalidRequest(ValueError):
+    """A client error; ``param`` names the offending field for OpenAI-shaped error bodies."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Caps on what one request may ask for; the server's options set them."""
+
+    max_new_tokens: int = 16384
+    max_n: int = 16
+    max_stop: int = 16  # stop strings per request
+    max_stop_chars: int = 256  # characters per stop string
+    max_top_logprobs: int = 20  # OpenAI's cap on top_logprobs
+    max_prompt_tokens: int | None = None  # None: only the model's context length limits it
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is not None and (type(value) is not int or value < 1):
+                raise ValueError(f"Limits.{f.name} must be a positive integer, got {value!r}")
+
+
+def parse_sampling_params(
+    raw: Mapping[str, Any] | None, *, vocab_size: int, limits: Limits
+) -> SamplingParams:
+    """SGLang-style ``sampling_params`` -> a validated `SamplingParams`.
+
+    Normalises two spellings of "off": ``top_k`` 0 and ``top_k >= vocab_size`` become -1. When
+    ``max_new_tokens`` is absent, the default (128) is capped at ``limits.max_new_tokens``.
+    """
+    given = _known_keys(raw)
+    out = _lengths(given, limits)
+    for key, (lo, hi, lo_open) in _FLOAT_RANGES.items():
+        if key in given:
+            out[key] = _check_range(key, _float(given, key), lo, hi, lo_open=lo_open)
+    if "top_k" in given:
+        top_k = _int(given, "top_k")
+        if top_k < -1:
+            raise InvalidRequest(f"top_k must be -1 or 0 (off) or >= 1, got {top_k}", "top_k")
+        out["top_k"] = -1 if top_k == 0 or top_k >= vocab_size else top_k
+    if "n" in given:
+        out["n"] = _check_range("n", _int(given, "n"), 1, limits.max_n)
+    if "seed" in given:
+        out["seed"] = _check_range("seed", _int(given, "seed"), 0, MAX_SEED)
+    if "stop" in given:
+        out["stop"] = _stop_strings(given["stop"], limits)
+    if "stop_token_ids" in given:
+        out["stop_token_ids"] = _token_ids(given["stop_token_ids"], vocab_size, "stop_token_ids")
+    for key in _BOOLS:
+        if key in given:
+            if type(given[key]) is not bool:
+                raise InvalidRequest(f"{key} must be a boolean, got {_json_type(given[key])}", key)
+            out[key] = given[key]
+    return SamplingParams(**out)
+
+
+def _known_keys(raw: Any) -> dict[str, Any]:
+    """The parameters given (None = not given); unknown and unsupported ones are errors."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping):
+        raise InvalidRequest(
+            f"sampling_params must be an object, got {_json_type(raw)}", "sampling_params"
+        )
+    for key, value in raw.items():
+        if key in _UNSUPPORTED:
+            if value is not None:
+                raise InvalidRequest(f"{key} (constrained decoding) is not supported yet", key)
+        elif key not in _KNOWN:
+            raise InvalidRequest(f"unknown sampling parameter {key!r}", str(key))
+    return {k: v for k, v in raw.items() if v is not None and k in _KNOWN}
+
+
+def _lengths(given: Mapping[str, Any], limits: Limits) -> dict[str, Any]:
+    max_new = min(_DEFAULTS.max_new_tokens, limits.max_new_tokens)
+    if "max_new_tokens" in given:
+        max_new = _check_range(
+            "max_new_tokens", _int(given, "max_new_tokens"), 0, limits.max_new_tokens
+        )
+    out: dict[str, Any] = {"max_new_tokens": max_new}
+    if "min_new_tokens" in given:
+        min_new = _int(given, "min_new_tokens")
+        if not 0 <= min_new <= max_new:
+            raise InvalidRequest(
+                f"min_new_tokens must be between 0 and max_new_tokens ({max_new}), got {min_new}",
+                "min_new_tokens",
+            )
+        out["min_new_tokens"] = min_new
+    return out
+
+
+def validate_input_ids(ids: Any, vocab_size: int) -> list[int]:
+    """Check client-supplied token ids: a non-empty list of ints in ``[0, vocab_size)``."""
+    if not isinstance(ids, list) or not ids:
+        raise InvalidRequest("input_ids must be a non-empty list of token ids", "input_ids")
+    return _token_ids(ids, vocab_size, "input_ids")
+
+
+def check_lengths(
+    prompt_len: int,
+    max_new_tokens: int,
+    context_len: int,
+    *,
+    max_prompt_tokens: int | None = None,
+) -> None:
+    """The prompt plus everything it may generate must fit the model's context."""
+    if prompt_len <= 0:
+        raise InvalidRequest("the prompt is empty; at least one token is needed", "prompt")
+    if max_prompt_tokens is not None and prompt_len > max_prompt_tokens:
+        raise InvalidRequest(
+            f"the prompt has {prompt_len} tokens; this server accepts at most {max_prompt_tokens}",
+            "prompt",
+        )
+    if prompt_len >= context_len:
+        raise InvalidRequest(
+            f"the prompt has {prompt_len} tokens but the model's context length is {context_len}, "
+            f"so at most {context_len - 1} prompt tokens fit",
+            "prompt",
+        )
+    if prompt_len + max_new_tokens > context_len:
+        raise InvalidRequest(
+            f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = "
+            f"{prompt_len + max_new_tokens} exceeds the model's context length of {context_len}; "
+            f"ask for at most {context_len - prompt_len} new tokens",
+            "max_new_tokens",
+        )
+
+
+def _int(given: Mapping[str, Any], key: str) -> int:
+    value = given[key]
+    if type(value) is not int:  # bool is an int subclass, and not a count
+        raise InvalidRequest(f"{key} must be an integer, got {_json_type(value)}", key)
+    return value
+
+
+def _float(given: Mapping[str, Any], key: str) -> float:
+    value = given[key]
+    if type(value) not in (int, float):
+        raise InvalidRequest(f"{key} must be a number, got {_json_type(value)}", key)
+    if not math.isfinite(value):
+        raise InvalidRequest(f"{key} must be a finite number, got {value}", key)
+    return float(value)
+
+
+def _check_range(key: str, value: _Num, lo: float, hi: float, *, lo_open: bool = False) -> _Num:
+    if (value <= lo if lo_open else value < lo) or value > hi:
+        bounds = f"> {lo} and <= {hi}" if lo_open else f"between {lo} and {hi}"
+        raise InvalidRequest(f"{key} must be {bounds}, got {value}", key)
+    return value
+
+
+def _stop_strings(value: Any, limits: Limits) -> list[str]:
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list):
+        raise InvalidRequest(
+            f"stop must be a string or a list of strings, got {_json_type(value)}", "stop"
+        )
+    if len(stops) > limits.max_stop:
+        raise InvalidRequest(
+            f"at most {limits.max_stop} stop strings are allowed, got {len(stops)}", "stop"
+        )
+    for i, stop in enumerate(stops):
+        if not isinstance(stop, str):
+            raise InvalidRequest(f"stop[{i}] must be a string, got {_json_type(stop)}", "stop")
+        if not stop:
+            raise InvalidRequest(f"stop[{i}] is empty; stop strings must be non-empty", "stop")
+        if len(stop) > limits.max_stop_chars:
+            raise InvalidRequest(
+                f"stop[{i}] has {len(stop)} characters; at most {limits.max_stop_chars} are allowed",
+                "stop",
+            )
+    return list(stops)
+
+
+def _token_ids(ids: Any, vocab_size: int, key: str) -> list[int]:
+    if not isinstance(ids, list):
+        raise InvalidRequest(f"{key} must be a list of token ids, got {_json_type(ids)}", key)
+    for i, t in enumerate(ids):
+        if type(t) is not int:
+            raise InvalidRequest(
+                f"{key}[{i}] must be an integer token id, got {_json_type(t)}", key
+            )
+        if not 0 <= t < vocab_size:
+            raise InvalidRequest(f"{key}[{i}] = {t} is out of range [0, {vocab_size})", key)
+    return ids
+
+
+def _json_type(value: Any) -> str:
+    """The JSON name of a value's type, as the client wrote it."""
+    return _JSON_TYPES.get(type(value), type(value).__name__)

@@ -1,0 +1,277 @@
+"""Request validation in the front: sampling params, token ids, lengths."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from radixserve.front.validation import (
+    MAX_SEED,
+    InvalidRequest,
+    Limits,
+    check_lengths,
+    parse_sampling_params,
+    validate_input_ids,
+)
+from radixserve.protocol import SamplingParams
+
+VOCAB = 1000
+LIMITS = Limits()
+
+
+def parse(raw: Any, limits: Limits = LIMITS) -> SamplingParams:
+    return parse_sampling_params(raw, vocab_size=VOCAB, limits=limits)
+
+
+def test_defaults() -> None:
+    assert parse(None) == SamplingParams()
+    assert parse({}) == SamplingParams()
+    # None means "not given", as OpenAI clients send it; so do null constraint fields
+    assert (
+        parse({"stop": None, "seed": None, "regex": None, "json_schema": None}) == SamplingParams()
+    )
+
+
+def test_every_parameter() -> None:
+    raw = {
+        "max_new_tokens": 64,
+        "min_new_tokens": 4,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 50,
+        "min_p": 0.05,
+        "frequency_penalty": 0.5,
+        "presence_penalty": -0.5,
+        "repetition_penalty": 1.1,
+        "stop": ["\n\n", "END"],
+        "stop_token_ids": [0, 999],
+        "ignore_eos": True,
+        "n": 3,
+        "seed": MAX_SEED,
+        "skip_special_tokens": False,
+        "spaces_between_special_tokens": False,
+        "no_stop_trim": True,
+    }
+    sp = parse(raw)
+    assert msgspec.structs.asdict(sp) == raw
+    # what the front builds is what travels: it survives the msgpack round trip unchanged
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(sp), type=SamplingParams) == sp
+
+
+def test_normalisations() -> None:
+    assert parse({"temperature": 1}).temperature == 1.0
+    assert type(parse({"temperature": 1}).temperature) is float
+    assert parse({"top_k": 0}).top_k == -1
+    assert parse({"top_k": VOCAB}).top_k == -1
+    assert parse({"top_k": VOCAB - 1}).top_k == VOCAB - 1
+    assert parse({"stop": "###"}).stop == ["###"]
+    assert parse({"max_new_tokens": 0}).max_new_tokens == 0
+    assert parse({"temperature": 0}).is_greedy
+    # an absent max_new_tokens takes the default, but never more than the server allows
+    assert parse({}, Limits(max_new_tokens=16)).max_new_tokens == 16
+
+
+INVALID = [
+    # (sampling_params, param, message)
+    ([1, 2], "sampling_params", "sampling_params must be an object, got array"),
+    ({"max_tokens": 5}, "max_tokens", "unknown sampling parameter 'max_tokens'"),
+    (
+        {"json_schema": "{}"},
+        "json_schema",
+        "json_schema (constrained decoding) is not supported yet",
+    ),
+    ({"regex": "a+"}, "regex", "regex (constrained decoding) is not supported yet"),
+    ({"ebnf": "root ::= 'a'"}, "ebnf", "ebnf (constrained decoding) is not supported yet"),
+    ({"max_new_tokens": True}, "max_new_tokens", "max_new_tokens must be an integer, got boolean"),
+    ({"max_new_tokens": "10"}, "max_new_tokens", "max_new_tokens must be an integer, got string"),
+    ({"max_new_tokens": 10.0}, "max_new_tokens", "max_new_tokens must be an integer, got number"),
+    (
+        {"max_new_tokens": -1},
+        "max_new_tokens",
+        "max_new_tokens must be between 0 and 16384, got -1",
+    ),
+    ({"max_new_tokens": 16385}, "max_new_tokens", "between 0 and 16384, got 16385"),
+    (
+        {"max_new_tokens": 8, "min_new_tokens": 9},
+        "min_new_tokens",
+        "min_new_tokens must be between 0 and max_new_tokens (8), got 9",
+    ),
+    ({"min_new_tokens": 200}, "min_new_tokens", "and max_new_tokens (128), got 200"),
+    ({"min_new_tokens": -1}, "min_new_tokens", "min_new_tokens must be between 0 and"),
+    ({"temperature": -0.1}, "temperature", "temperature must be between 0.0 and 100.0, got -0.1"),
+    ({"temperature": 101}, "temperature", "temperature must be between 0.0 and 100.0, got 101"),
+    ({"temperature": math.nan}, "temperature", "temperature must be a finite number, got nan"),
+    ({"temperature": math.inf}, "temperature", "temperature must be a finite number, got inf"),
+    ({"temperature": "hot"}, "temperature", "temperature must be a number, got string"),
+    ({"temperature": False}, "temperature", "temperature must be a number, got boolean"),
+    ({"top_p": 0}, "top_p", "top_p must be > 0.0 and <= 1.0, got 0"),
+    ({"top_p": 1.5}, "top_p", "top_p must be > 0.0 and <= 1.0, got 1.5"),
+    ({"top_k": -2}, "top_k", "top_k must be -1 or 0 (off) or >= 1, got -2"),
+    ({"top_k": 1.5}, "top_k", "top_k must be an integer, got number"),
+    ({"min_p": 1.1}, "min_p", "min_p must be between 0.0 and 1.0, got 1.1"),
+    ({"min_p": -0.1}, "min_p", "min_p must be between 0.0 and 1.0, got -0.1"),
+    ({"frequency_penalty": 2.5}, "frequency_penalty", "between -2.0 and 2.0, got 2.5"),
+    ({"presence_penalty": -3}, "presence_penalty", "between -2.0 and 2.0, got -3"),
+    ({"repetition_penalty": 0}, "repetition_penalty", "must be > 0.0 and <= 10.0, got 0"),
+    ({"repetition_penalty": 11}, "repetition_penalty", "must be > 0.0 and <= 10.0, got 11"),
+    ({"n": 0}, "n", "n must be between 1 and 16, got 0"),
+    ({"n": 17}, "n", "n must be between 1 and 16, got 17"),
+    ({"seed": -1}, "seed", f"seed must be between 0 and {MAX_SEED}, got -1"),
+    ({"seed": 2**63}, "seed", f"seed must be between 0 and {MAX_SEED}, got {2**63}"),
+    ({"seed": 1.0}, "seed", "seed must be an integer, got number"),
+    ({"stop": 5}, "stop", "stop must be a string or a list of strings, got integer"),
+    ({"stop": {"a": 1}}, "stop", "stop must be a string or a list of strings, got object"),
+    ({"stop": ["a", 5]}, "stop", "stop[1] must be a string, got integer"),
+    ({"stop": ["a", ""]}, "stop", "stop[1] is empty; stop strings must be non-empty"),
+    ({"stop": ""}, "stop", "stop[0] is empty"),
+    ({"stop": ["x" * 257]}, "stop", "stop[0] has 257 characters; at most 256 are allowed"),
+    ({"stop": ["s"] * 17}, "stop", "at most 16 stop strings are allowed, got 17"),
+    (
+        {"stop_token_ids": [1, VOCAB]},
+        "stop_token_ids",
+        "stop_token_ids[1] = 1000 is out of range [0, 1000)",
+    ),
+    ({"stop_token_ids": [-1]}, "stop_token_ids", "stop_token_ids[0] = -1 is out of range"),
+    (
+        {"stop_token_ids": [True]},
+        "stop_token_ids",
+        "stop_token_ids[0] must be an integer token id, got boolean",
+    ),
+    (
+        {"stop_token_ids": 5},
+        "stop_token_ids",
+        "stop_token_ids must be a list of token ids, got integer",
+    ),
+    ({"ignore_eos": "yes"}, "ignore_eos", "ignore_eos must be a boolean, got string"),
+    (
+        {"skip_special_tokens": 1},
+        "skip_special_tokens",
+        "skip_special_tokens must be a boolean, got integer",
+    ),
+    ({"no_stop_trim": 0}, "no_stop_trim", "no_stop_trim must be a boolean, got integer"),
+]
+
+
+@pytest.mark.parametrize(("raw", "param", "message"), INVALID)
+def test_invalid_sampling_params(raw: Any, param: str, message: str) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        parse(raw)
+    assert message in info.value.message
+    assert str(info.value) == info.value.message
+    assert info.value.param == param
+    assert isinstance(info.value, ValueError)
+
+
+def test_limits_are_configurable() -> None:
+    limits = Limits(max_new_tokens=100, max_n=2, max_stop=1, max_stop_chars=3)
+    with pytest.raises(InvalidRequest, match="between 0 and 100, got 101"):
+        parse({"max_new_tokens": 101}, limits)
+    with pytest.raises(InvalidRequest, match="n must be between 1 and 2, got 3"):
+        parse({"n": 3}, limits)
+    with pytest.raises(InvalidRequest, match="at most 1 stop strings are allowed, got 2"):
+        parse({"stop": ["a", "b"]}, limits)
+    with pytest.raises(InvalidRequest, match="has 4 characters; at most 3"):
+        parse({"stop": "abcd"}, limits)
+
+
+def test_limits_validate_themselves() -> None:
+    with pytest.raises(ValueError, match="Limits.max_n must be a positive integer, got 0"):
+        Limits(max_n=0)
+    with pytest.raises(ValueError, match="Limits.max_prompt_tokens must be a positive integer"):
+        Limits(max_prompt_tokens=-5)
+    with pytest.raises(AttributeError):
+        LIMITS.max_n = 3  # type: ignore[misc]
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
+KEYS = st.sampled_from([*SamplingParams.__struct_fields__, "regex", "max_tokens"])
+
+
+@given(raw=st.dictionaries(KEYS, JSON, max_size=5))
+@settings(max_examples=400, deadline=None)
+def test_any_json_gives_params_or_invalid_request(raw: dict[str, Any]) -> None:
+    try:
+        sp = parse(raw)
+    except InvalidRequest as e:
+        assert e.message and e.param
+        return
+    assert 0 <= sp.min_new_tokens <= sp.max_new_tokens <= LIMITS.max_new_tokens
+    assert all(isinstance(s, str) and 0 < len(s) <= 256 for s in sp.stop)
+    assert all(0 <= t < VOCAB for t in sp.stop_token_ids)
+    assert 0.0 <= sp.temperature <= 100.0 and 0.0 < sp.top_p <= 1.0
+    assert sp.top_k == -1 or 1 <= sp.top_k < VOCAB
+
+
+# --------------------------------------------------------------------------- input ids, lengths
+
+
+def test_validate_input_ids() -> None:
+    assert validate_input_ids([0, 5, VOCAB - 1], VOCAB) == [0, 5, VOCAB - 1]
+
+
+@pytest.mark.parametrize(
+    ("ids", "message"),
+    [
+        ([], "input_ids must be a non-empty list of token ids"),
+        ("hello", "input_ids must be a non-empty list of token ids"),
+        (None, "input_ids must be a non-empty list of token ids"),
+        ([1, 2, VOCAB], "input_ids[2] = 1000 is out of range [0, 1000)"),
+        ([1, -3], "input_ids[1] = -3 is out of range [0, 1000)"),
+        ([1, True], "input_ids[1] must be an integer token id, got boolean"),
+        ([1, 2.0], "input_ids[1] must be an integer token id, got number"),
+        ([[1, 2]], "input_ids[0] must be an integer token id, got array"),
+    ],
+)
+def test_invalid_input_ids(ids: Any, message: str) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        validate_input_ids(ids, VOCAB)
+    assert info.value.message == message
+    assert info.value.param == "input_ids"
+
+
+def test_check_lengths() -> None:
+    check_lengths(10, 0, 11)
+    check_lengths(10, 22, 32)  # exactly fills the context
+    check_lengths(10, 5, 100, max_prompt_tokens=10)
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "message"),
+    [
+        ((0, 10, 100), {}, "the prompt is empty; at least one token is needed"),
+        (
+            (100, 0, 100),
+            {},
+            "the prompt has 100 tokens but the model's context length is 100, so at most 99 "
+            "prompt tokens fit",
+        ),
+        (
+            (90, 20, 100),
+            {},
+            "prompt (90 tokens) + max_new_tokens (20) = 110 exceeds the model's context length "
+            "of 100; ask for at most 10 new tokens",
+        ),
+        (
+            (11, 1, 100),
+            {"max_prompt_tokens": 10},
+            "the prompt has 11 tokens; this server accepts at most 10",
+        ),
+    ],
+)
+def test_check_lengths_errors(
+    args: tuple[int, int, int], kwargs: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        check_lengths(*args, **kwargs)
+    assert info.value.message == message
