@@ -1,0 +1,142 @@
+"""Model-runner throughput vs Hugging Face transformers, same weights, same run.
+
+    python -m bench.model_runner [--dtypes float32 bfloat16] [--decode-steps 16]
+
+Measures prefill tokens/s on one 1,536-token prompt and decode tokens/s at batch 1 and 32 with
+~512 tokens of context, for radixserve's runner (paged KV, torch-native attention) and for
+transformers (a forward for prefill; batched `generate` for decode, prefill time subtracted).
+Prints a Markdown table with the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from radixserve.models.loader import load_model
+from radixserve.models.resolve import resolve_model
+from radixserve.protocol import SamplingParams
+from radixserve.worker.attention.torch_native import TorchNativeBackend
+from radixserve.worker.kv_pool import KVPool
+from radixserve.worker.model_runner import ModelRunner, SequenceChunk
+from radixserve.worker.page_table import PageTable
+from radixserve.worker.sampler import Sampler, SamplingState
+
+PREFILL_LEN = 1536
+CONTEXT = 512
+
+
+def _prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(0)
+    return torch.randint(100, vocab - 100, (batch, length), generator=gen).tolist()
+
+
+class Ours:
+    def __init__(self, dtype: torch.dtype, page_size: int = 16) -> None:
+        loaded = load_model("default", dtype=dtype)
+        self.model, cfg = loaded.model, loaded.config
+        self.vocab = cfg.vocab_size
+        shape = self.model.attention_shape()
+        pages = 40 * (PREFILL_LEN + 64) // page_size
+        self.pool = KVPool(cfg.num_layers, pages, page_size, shape.num_kv_heads, shape.head_dim, dtype)
+        self.table = PageTable(64, -(-(PREFILL_LEN + 64) // page_size))
+        self.runner = ModelRunner(self.model, self.table, TorchNativeBackend(self.pool, shape))
+        self.sampler = Sampler(cfg.vocab_size)
+        self.page_size = page_size
+
+    def _assign(self, batch: int, tokens: int) -> None:
+        per_row = -(-tokens // self.page_size)
+        for row in range(batch):
+            self.table.assign(row, list(range(row * per_row, (row + 1) * per_row)))
+
+    def prefill(self, prompt: list[int]) -> float:
+        self._assign(1, len(prompt) + 1)
+        start = time.perf_counter()
+        self.runner.forward([SequenceChunk(0, 0, prompt)])
+        return time.perf_counter() - start
+
+    def decode(self, prompts: list[list[int]], steps: int) -> float:
+        self._assign(len(prompts), len(prompts[0]) + steps + 1)
+        states = [SamplingState(SamplingParams(temperature=0.0), []) for _ in prompts]
+        for row, p in enumerate(prompts):  # prefill, not timed
+            self.runner.forward([SequenceChunk(row, 0, p)])
+        last = [p[-1] for p in prompts]
+        pos = len(prompts[0]) - 1
+        start = time.perf_counter()
+        for _ in range(steps):
+            out = self.runner.forward([SequenceChunk(r, pos, [t]) for r, t in enumerate(last)])
+            last = self.sampler.sample(out.last_logits, states).token_ids
+            pos += 1
+        return time.perf_counter() - start
+
+
+class HF:
+    def __init__(self, dtype: torch.dtype) -> None:
+        from transformers import AutoModelForCausalLM
+
+        path = resolve_model("default")
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+    @torch.inference_mode()
+    def prefill(self, prompt: list[int]) -> float:
+        start = time.perf_counter()
+        self.model(torch.tensor([prompt]), use_cache=True, logits_to_keep=1)
+        return time.perf_counter() - start
+
+    @torch.inference_mode()
+    def _generate(self, ids: torch.Tensor, new: int) -> float:
+        start = time.perf_counter()
+        self.model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+            do_sample=False, pad_token_id=0,
+        )
+        return time.perf_counter() - start
+
+    def decode(self, prompts: list[list[int]], steps: int) -> float:
+        ids = torch.tensor(prompts)
+        return self._generate(ids, steps + 1) - self._generate(ids, 1)
+
+
+def measure(dtype_name: str, steps: int) -> list[dict[str, object]]:
+    dtype = getattr(torch, dtype_name)
+    torch.manual_seed(0)
+    ours, hf = Ours(dtype), HF(dtype)
+    prompt = _prompts(1, PREFILL_LEN, ours.vocab)[0]
+    rows = []
+    for system in (ours, hf):  # warm-up
+        system.prefill(prompt[:64])
+    t_ours, t_hf = min(ours.prefill(prompt) for _ in range(2)), min(hf.prefill(prompt) for _ in range(2))
+    rows.append(_row(dtype_name, f"prefill {PREFILL_LEN} tokens", PREFILL_LEN / t_ours, PREFILL_LEN / t_hf))
+    for batch in (1, 32):
+        prompts = _prompts(batch, CONTEXT, ours.vocab)
+        t_ours, t_hf = ours.decode(prompts, steps), hf.decode(prompts, steps)
+        rows.append(_row(dtype_name, f"decode batch {batch}, context {CONTEXT}", batch * steps / t_ours, batch * steps / t_hf))
+    return rows
+
+
+def _row(dtype: str, what: str, ours: float, hf: float) -> dict[str, object]:
+    return {"dtype": dtype, "workload": what, "radixserve_tok_s": ours, "transformers_tok_s": hf, "ratio": ours / hf}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--decode-steps", type=int, default=16)
+    parser.add_argument("--json", help="also write the rows to this file")
+    args = parser.parse_args()
+    rows = [r for d in args.dtypes for r in measure(d, args.decode_steps)]
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print("| dtype | workload | radixserve tok/s | transformers tok/s | ratio |")
+    print("|---|---|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['dtype']} | {r['workload']} | {r['radixserve_tok_s']:.1f} | {r['transformers_tok_s']:.1f} | {r['ratio']:.2f}x |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,284 @@
+"""The front's side of the runtime: send tokenized requests, turn token batches into results.
+
+Used by the HTTP server and by `Engine`. It owns per-request output streams, incremental
+detokenization, stop-string trimming, abort on cancel, and failing every in-flight request
+with a clear error when the scheduler or worker dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from radixserve.detokenizer import IncrementalDetokenizer
+from radixserve.ipc import Endpoints
+from radixserve.protocol import (
+    AbortRequest,
+    FlushCache,
+    FlushCacheDone,
+    GetStats,
+    RequestOutput,
+    RequestRejected,
+    SamplingParams,
+    SchedulerReady,
+    SchedulerStats,
+    SchedulerToFront,
+    TokenBatchOut,
+    TokenizedRequest,
+)
+
+
+class RequestFailed(RuntimeError):
+    """A request could not be served. `retryable` (queue full) maps to HTTP 503."""
+
+    def __init__(self, message: str, retryable: bool = False) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retryable = retryable
+
+
+class EngineDead(RequestFailed):
+    """The scheduler or worker process is gone; nothing will be served until a restart."""
+
+
+@dataclass
+class GenerateRequest:
+    """A validated, tokenized request as the front submits it."""
+
+    input_ids: list[int]
+    sampling: SamplingParams
+    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
+    cache_salt: str | None = None
+
+
+@dataclass
+class _SampleState:
+    """Output of one of a request's n samples, accumulated as token batches arrive."""
+
+    detok: IncrementalDetokenizer
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish: dict[str, Any] | None = None
+    cached_tokens: int = 0
+    prompt_tokens: int = 0
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    input_logprobs: list[float | None] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    first_token_time: float | None = None
+    done: bool = False
+
+
+class TokenizerManager:
+    """Talks to the scheduler over ZMQ from an asyncio loop."""
+
+    def __init__(self, endpoints: Endpoints, ready: SchedulerReady, tokenizer: Any) -> None:
+        self.ready = ready
+        self.tokenizer = tokenizer
+        self._to_scheduler = zmq.Context.instance().socket(zmq.PUSH)
+        self._to_scheduler.setsockopt(zmq.LINGER, 0)
+        self._to_scheduler.connect(endpoints.front_to_scheduler)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._replies: dict[int, asyncio.Future] = {}
+        self._req_ids = itertools.count()
+        self._dead: str | None = None
+        self._from_scheduler: zmq.asyncio.Socket | None = None
+        self._recv_task: asyncio.Task | None = None
+
+    def start(self, receiver: zmq.Socket) -> None:
+        """Adopt the bound scheduler->front socket into the running loop and start dispatching."""
+        self._from_scheduler = zmq.asyncio.Socket.from_socket(receiver)
+        self._recv_task = asyncio.get_running_loop().create_task(self._recv_loop())
+
+    @property
+    def dead_reason(self) -> str | None:
+        return self._dead
+
+    def _send(self, msg: msgspec.Struct) -> None:
+        self._to_scheduler.send(self._encoder.encode(msg))
+
+    async def _recv_loop(self) -> None:
+        decoder = msgspec.msgpack.Decoder(SchedulerToFront)
+        assert self._from_scheduler is not None
+        while True:
+            msg = decoder.decode(await self._from_scheduler.recv())
+            if isinstance(msg, TokenBatchOut):
+                for out in msg.outputs:
+                    queue = self._queues.get(out.rid)
+                    if queue is not None:
+                        queue.put_nowait(out)
+            elif isinstance(msg, RequestRejected):
+                queue = self._queues.get(msg.rid)
+                if queue is not None:
+                    queue.put_nowait(RequestFailed(msg.message, msg.retryable))
+            elif isinstance(msg, (FlushCacheDone, SchedulerStats)):
+                fut = self._replies.pop(msg.req_id, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+
+    def fail_all(self, reason: str) -> None:
+        """The backend died: every waiting caller gets an error now instead of hanging."""
+        self._dead = reason
+        for queue in self._queues.values():
+            queue.put_nowait(EngineDead(reason))
+        for fut in self._replies.values():
+            if not fut.done():
+                fut.set_exception(EngineDead(reason))
+        self._replies.clear()
+
+    async def _ask(self, msg_type: type, timeout: float) -> Any:
+        if self._dead:
+            raise EngineDead(self._dead)
+        req_id = next(self._req_ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._replies[req_id] = fut
+        self._send(msg_type(req_id))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self._replies.pop(req_id, None)
+
+    async def stats(self, timeout: float = 5.0) -> SchedulerStats:
+        return await self._ask(GetStats, timeout)
+
+    async def flush_cache(self, timeout: float = 30.0) -> FlushCacheDone:
+        return await self._ask(FlushCache, timeout)
+
+    def abort(self, rid: str) -> None:
+        if not self._dead:
+            self._send(AbortRequest(rid))
+
+    async def shutdown(self) -> None:
+        """Stop dispatching; the backend's own `stop` ends the processes."""
+        if self._recv_task is not None:
+            self._recv_task.cancel()
+            try:
+                await self._recv_task
+            except asyncio.CancelledError:
+                pass
+        self._to_scheduler.close()
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
+        """Yield one result dict per update of each sample (`index` says which), the last with
+        `meta_info.finish_reason` set. Cancelling the consumer aborts the request."""
+        if self._dead:
+            raise EngineDead(self._dead)
+        if req.rid in self._queues:
+            raise RequestFailed(f"request id {req.rid!r} is already in use")
+        n = req.sampling.n
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[req.rid] = queue
+        start = time.monotonic()
+        states = [self._new_state(req) for _ in range(n)]
+        self._send(
+            TokenizedRequest(
+                rid=req.rid, input_ids=req.input_ids, sampling=req.sampling,
+                return_logprob=req.return_logprob, logprob_start_len=req.logprob_start_len,
+                top_logprobs_num=req.top_logprobs_num, cache_salt=req.cache_salt,
+            )
+        )
+        finished = False
+        try:
+            while not all(s.done for s in states):
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                state = states[item.index]
+                self._apply(req, state, item)
+                yield self._result(req, state, item.index, start)
+            finished = True
+        finally:
+            del self._queues[req.rid]
+            if not finished:
+                self.abort(req.rid)
+
+    def _new_state(self, req: GenerateRequest) -> _SampleState:
+        p = req.sampling
+        # the prompt as context: SentencePiece tokenizers drop a leading space at text start
+        detok = IncrementalDetokenizer(
+            self.tokenizer, skip_special_tokens=p.skip_special_tokens,
+            spaces_between_special_tokens=p.spaces_between_special_tokens,
+            context_ids=req.input_ids,
+        )
+        return _SampleState(detok=detok)
+
+    def _apply(self, req: GenerateRequest, state: _SampleState, out: RequestOutput) -> None:
+        if out.new_token_ids and state.first_token_time is None:
+            state.first_token_time = time.monotonic()
+        state.output_ids.extend(out.new_token_ids)
+        state.text += state.detok.add(out.new_token_ids)
+        state.prompt_tokens, state.cached_tokens = out.prompt_tokens, out.cached_tokens
+        state.output_logprobs.extend(out.output_logprobs)
+        state.output_top_logprobs.extend(out.output_top_logprobs)
+        if out.input_logprobs:
+            state.input_logprobs, state.input_top_logprobs = out.input_logprobs, out.input_top_logprobs
+        if out.finish is not None:
+            state.text += state.detok.finish()
+            matched = out.finish.matched
+            if isinstance(matched, str) and not req.sampling.no_stop_trim:
+                cut = state.text.find(matched)
+                if cut >= 0:
+                    state.text = state.text[:cut]
+            state.finish = {"type": out.finish.type, "matched": matched}
+            if out.finish.message:
+                state.finish["message"] = out.finish.message
+            state.done = True
+
+    def _visible_text(self, req: GenerateRequest, state: _SampleState) -> str:
+        """While streaming, hold back a tail that may be the start of a stop string."""
+        if state.done or not req.sampling.stop or req.sampling.no_stop_trim:
+            return state.text
+        hold = 0
+        for stop in req.sampling.stop:
+            for k in range(min(len(stop) - 1, len(state.text)), hold, -1):
+                if state.text.endswith(stop[:k]):
+                    hold = k
+                    break
+        return state.text[: len(state.text) - hold]
+
+    def _result(self, req: GenerateRequest, state: _SampleState, index: int, start: float) -> dict[str, Any]:
+        now = time.monotonic()
+        meta: dict[str, Any] = {
+            "id": req.rid,
+            "prompt_tokens": state.prompt_tokens,
+            "completion_tokens": len(state.output_ids),
+            "cached_tokens": state.cached_tokens,
+            "finish_reason": state.finish,
+            "e2e_latency": now - start,
+        }
+        if state.done:
+            meta["ttft"] = (state.first_token_time or now) - start
+        if req.return_logprob:
+            meta.update(self._logprob_meta(req, state))
+        return {"index": index, "text": self._visible_text(req, state), "output_ids": list(state.output_ids), "meta_info": meta}
+
+    def _logprob_meta(self, req: GenerateRequest, state: _SampleState) -> dict[str, Any]:
+        def text(tid: int) -> str | None:
+            return self.tokenizer.decode([tid]) if req.return_text_in_logprobs else None
+
+        start = max(req.logprob_start_len, 0)
+        input_ids = req.input_ids[start:] if state.input_logprobs else []
+        meta: dict[str, Any] = {
+            "input_token_logprobs": [[lp, t, text(t)] for lp, t in zip(state.input_logprobs, input_ids)],
+            "output_token_logprobs": [[lp, t, text(t)] for lp, t in zip(state.output_logprobs, state.output_ids)],
+        }
+        if req.top_logprobs_num > 0:
+            meta["input_top_logprobs"] = [
+                [[lp, t, text(t)] for t, lp in top] or None for top in state.input_top_logprobs
+            ]
+            meta["output_top_logprobs"] = [[[lp, t, text(t)] for t, lp in top] for top in state.output_top_logprobs]
+        return meta

@@ -1,0 +1,118 @@
+"""ZeroMQ plumbing: private ipc endpoints, typed msgpack channels, and child-process hygiene."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+import msgspec
+import zmq
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """The four one-way channels between front, scheduler and worker, in a 0700 directory."""
+
+    directory: str
+
+    @classmethod
+    def create(cls) -> Endpoints:
+        # mkdtemp creates the directory with mode 0700: only this user can reach the sockets
+        return cls(tempfile.mkdtemp(prefix="radixserve-"))
+
+    def _addr(self, name: str) -> str:
+        return f"ipc://{self.directory}/{name}"
+
+    @property
+    def front_to_scheduler(self) -> str:
+        return self._addr("front-to-scheduler")
+
+    @property
+    def scheduler_to_front(self) -> str:
+        return self._addr("scheduler-to-front")
+
+    @property
+    def scheduler_to_worker(self) -> str:
+        return self._addr("scheduler-to-worker")
+
+    @property
+    def worker_to_scheduler(self) -> str:
+        return self._addr("worker-to-scheduler")
+
+    def remove(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+class Sender:
+    """PUSH side of a channel: encodes msgspec Structs as msgpack. No pickle, ever."""
+
+    def __init__(self, ctx: zmq.Context, addr: str, bind: bool) -> None:
+        self.socket = ctx.socket(zmq.PUSH)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        (self.socket.bind if bind else self.socket.connect)(addr)
+        self._encoder = msgspec.msgpack.Encoder()
+
+    def send(self, msg: msgspec.Struct) -> None:
+        self.socket.send(self._encoder.encode(msg), copy=False)
+
+
+class Receiver(Generic[T]):
+    """PULL side of a channel: decodes only the message types of its channel."""
+
+    def __init__(self, ctx: zmq.Context, addr: str, bind: bool, msg_type: Any) -> None:
+        self.socket = ctx.socket(zmq.PULL)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        (self.socket.bind if bind else self.socket.connect)(addr)
+        self._decoder = msgspec.msgpack.Decoder(msg_type)
+
+    def recv(self, timeout_ms: int | None = None) -> T | None:
+        """The next message, or None if none came within `timeout_ms` (None: wait forever)."""
+        if timeout_ms is not None and not self.socket.poll(timeout_ms):
+            return None
+        return self._decoder.decode(self.socket.recv(copy=False).buffer)
+
+    def decode(self, data: bytes | memoryview) -> T:
+        return self._decoder.decode(data)
+
+
+def die_with_parent() -> None:
+    """Make this child process exit when the process that started it goes away.
+
+    PR_SET_PDEATHSIG covers a parent killed with SIGKILL on Linux; the watcher thread covers
+    everything else (and other platforms) by noticing that we were re-parented.
+    """
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def ignore_interrupts() -> None:
+    """Children leave Ctrl-C to the parent, which shuts them down in order."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def socket_dir_is_private(path: str) -> bool:
+    return (Path(path).stat().st_mode & 0o777) == 0o700

@@ -1,0 +1,111 @@
+"""Starting and stopping the scheduler and worker processes, and watching them."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import threading
+import time
+from collections.abc import Callable
+
+import msgspec
+import zmq
+
+from radixserve.config import ServerConfig
+from radixserve.ipc import Endpoints, Sender
+from radixserve.protocol import SchedulerReady, Shutdown
+from radixserve.scheduler.process import run_scheduler
+from radixserve.worker.process import run_worker
+
+log = logging.getLogger("radixserve")
+
+
+class StartupError(RuntimeError):
+    pass
+
+
+class Backend:
+    """The scheduler and worker processes of one server instance, and their private sockets.
+
+    The caller binds the scheduler->front socket first (`receiver`), so no output is ever lost.
+    """
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.endpoints = Endpoints.create()
+        self.receiver = zmq.Context.instance().socket(zmq.PULL)
+        self.receiver.setsockopt(zmq.LINGER, 0)
+        self.receiver.bind(self.endpoints.scheduler_to_front)
+        ctx = mp.get_context("spawn")  # no fork: torch and zmq state must not be inherited
+        self.worker = ctx.Process(target=run_worker, args=(config, self.endpoints), name="radixserve-worker", daemon=True)
+        self.scheduler = ctx.Process(target=run_scheduler, args=(config, self.endpoints), name="radixserve-scheduler", daemon=True)
+        self._stopping = False
+        self._watch_thread: threading.Thread | None = None
+
+    @property
+    def processes(self) -> list[mp.process.BaseProcess]:
+        return [self.scheduler, self.worker]
+
+    def start(self) -> SchedulerReady:
+        """Start both processes and wait until the model is loaded. Raises StartupError."""
+        self.worker.start()
+        self.scheduler.start()
+        deadline = time.monotonic() + self.config.startup_timeout
+        decoder = msgspec.msgpack.Decoder(SchedulerReady)
+        while time.monotonic() < deadline:
+            if self.receiver.poll(200):
+                return decoder.decode(self.receiver.recv())
+            dead = [p for p in self.processes if not p.is_alive()]
+            if dead:
+                self.stop()
+                raise StartupError(
+                    f"{dead[0].name} exited with code {dead[0].exitcode} during start-up; see its log above"
+                )
+        self.stop()
+        raise StartupError(f"the model did not load within {self.config.startup_timeout:.0f} s")
+
+    def watch(self, on_death: Callable[[str], None]) -> None:
+        """Call `on_death(reason)` once if either process dies, and stop the other one."""
+
+        def loop() -> None:
+            while not self._stopping:
+                for p in self.processes:
+                    if not p.is_alive():
+                        if self._stopping:
+                            return
+                        reason = f"the {p.name.split('-')[-1]} process died (exit code {p.exitcode})"
+                        log.error("%s; failing in-flight requests", reason)
+                        on_death(reason)
+                        self._kill_all()
+                        return
+                time.sleep(0.1)
+
+        self._watch_thread = threading.Thread(target=loop, name="radixserve-watchdog", daemon=True)
+        self._watch_thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Ask the scheduler to stop, then make sure both processes are gone."""
+        if self._stopping:
+            return
+        self._stopping = True
+        if self.scheduler.is_alive():
+            sender = Sender(zmq.Context.instance(), self.endpoints.front_to_scheduler, bind=False)
+            sender.send(Shutdown())
+            sender.socket.close()
+        if self.worker.is_alive():
+            sender = Sender(zmq.Context.instance(), self.endpoints.scheduler_to_worker, bind=False)
+            sender.send(Shutdown())
+            sender.socket.close()
+        deadline = time.monotonic() + timeout
+        for p in self.processes:
+            if p.pid is not None:
+                p.join(max(0.0, deadline - time.monotonic()))
+        self._kill_all()
+        self.receiver.close()
+        self.endpoints.remove()
+
+    def _kill_all(self) -> None:
+        for p in self.processes:
+            if p.pid is not None and p.is_alive():
+                p.kill()
+                p.join(2)

@@ -1,0 +1,397 @@
+"""The scheduler's decisions, free of sockets: admit, batch, retract, stop, report.
+
+One step, as `Scheduler.build_batch` makes it:
+
+    1. end aborted requests (their computed prefix goes to the cache, the rest is freed);
+    2. give every decoding request a page for its next token, retracting the requests that
+       lose least when pages run out;
+    3. continue chunked prefills of running requests, within the step's prompt-token budget;
+    4. admit waiting requests in policy order while the budget, rows and pages allow.
+
+`process_result` then appends sampled tokens, checks stop conditions and produces the outputs
+the front streams to clients.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgspec
+
+from radixserve.cache.allocator import OutOfPages
+from radixserve.config import ServerConfig
+from radixserve.protocol import (
+    Chunk,
+    ChunkResult,
+    FinishReason,
+    FlushCacheDone,
+    ForwardBatch,
+    ForwardResult,
+    NewRequest,
+    RequestOutput,
+    RequestRejected,
+    SchedulerStats,
+    TokenizedRequest,
+    WorkerReady,
+)
+from radixserve.scheduler.kv import KVManager, pages_for
+from radixserve.scheduler.policy import order_waiting, shares_uncached_prefix
+from radixserve.scheduler.request import Request
+from radixserve.scheduler.stop import StopChecker
+
+log = logging.getLogger("radixserve.scheduler")
+
+INITIAL_NEW_TOKEN_RATIO = 0.5  # share of max_new_tokens admission expects a request to use
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY = 0.002  # per step without retraction
+RETRACT_RATIO_STEP = 0.2  # added after each retraction: admission learns to leave more room
+DEDUP_MIN_TOKENS = 32  # shared uncached prefix worth waiting one prefill for
+
+
+@dataclass
+class Counters:
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    generation_tokens: int = 0
+    retractions: int = 0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: ServerConfig,
+        ready: WorkerReady,
+        stop_checker_factory: Callable[[Request], StopChecker | None],
+    ) -> None:
+        self.config = config
+        self.page_size = ready.page_size
+        self.context_len = ready.context_len
+        self.eos_token_ids = frozenset(ready.eos_token_ids)
+        self.kv = KVManager(
+            ready.total_pages, ready.page_size, config.max_running_requests,
+            enable_cache=not config.disable_radix_cache,
+        )
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.counters = Counters()
+        self.new_token_ratio = INITIAL_NEW_TOKEN_RATIO
+        self.last_step_time = 0.0
+        self._arrivals = 0
+        self._make_stop_checker = stop_checker_factory
+        self._stop_checkers: dict[str, StopChecker] = {}
+        self._in_flight: list[tuple[Request, Chunk]] = []
+        self._finished_keys: list[str] = []
+        self.outputs: list[RequestOutput] = []
+
+    # ------------------------------------------------------------------ requests in
+
+    def add_request(self, msg: TokenizedRequest) -> RequestRejected | None:
+        n = msg.sampling.n
+        if len(self.waiting) + n > self.config.max_queued_requests:
+            return RequestRejected(msg.rid, "the waiting queue is full; retry later", retryable=True)
+        if pages_for(len(msg.input_ids) + 1, self.page_size) > self.kv.total_pages:
+            return RequestRejected(
+                msg.rid,
+                f"the prompt ({len(msg.input_ids)} tokens) does not fit in the KV pool "
+                f"({self.kv.total_pages * self.page_size} tokens)",
+            )
+        for i in range(n):
+            sampling = msg.sampling
+            if n > 1:
+                seed = None if sampling.seed is None else sampling.seed + i
+                sampling = msgspec.structs.replace(sampling, n=1, seed=seed)
+            req = Request(
+                rid=msg.rid, index=i, input_ids=msg.input_ids, sampling=sampling,
+                namespace=msg.cache_salt or None, arrival=self._arrivals,
+                return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
+                top_logprobs_num=msg.top_logprobs_num,
+            )
+            self._arrivals += 1
+            checker = self._make_stop_checker(req)
+            if checker is not None:
+                self._stop_checkers[req.key] = checker
+            self.waiting.append(req)
+        return None
+
+    def abort(self, rid: str) -> None:
+        for req in [r for r in self.waiting if r.rid == rid]:
+            self.waiting.remove(req)
+            self._finish(req, FinishReason("abort", message="aborted"))
+        for req in self.running:
+            if req.rid == rid:
+                req.abort_requested = True
+
+    def flush_cache(self, req_id: int) -> FlushCacheDone:
+        freed = self.kv.cache.flush()
+        return FlushCacheDone(req_id, freed, ok=not self.running)
+
+    def stats(self, req_id: int) -> SchedulerStats:
+        cache = self.kv.cache.stats()
+        return SchedulerStats(
+            req_id=req_id,
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            total_pages=self.kv.total_pages,
+            free_pages=self.kv.allocator.num_free,
+            cached_pages=cache.cached_pages,
+            running_pages=self.kv.running_pages(),
+            prompt_tokens_total=self.counters.prompt_tokens,
+            cached_prompt_tokens_total=self.counters.cached_prompt_tokens,
+            generation_tokens_total=self.counters.generation_tokens,
+            num_retractions_total=self.counters.retractions,
+            last_step_time=self.last_step_time,
+        )
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ one step
+
+    def build_batch(self) -> ForwardBatch | None:
+        for req in [r for r in self.running if r.abort_requested]:
+            self._finish(req, FinishReason("abort", message="aborted"))
+        self._in_flight = []
+        self._schedule_decodes()
+        budget = self._continue_prefills(self.config.chunk_size)
+        self._admit(budget)
+        if not self._in_flight and len(self.running) > 1:
+            # every running request is a prefill stuck for pages held by the others: make room
+            self._retract(self._victim())
+            self._schedule_decodes()
+            self._continue_prefills(self.config.chunk_size)
+        if not self._in_flight:
+            return None
+        assigned, appended, released = self.kv.take_deltas()
+        new_requests = []
+        for req, _ in self._in_flight:
+            if not req.worker_knows:
+                req.worker_knows = True
+                prompt = req.input_ids if req.sampling.repetition_penalty != 1.0 else []
+                new_requests.append(NewRequest(req.key, req.sampling, req.top_logprobs_num, prompt))
+        finished, self._finished_keys = self._finished_keys, []
+        return ForwardBatch(
+            chunks=[c for _, c in self._in_flight], new_requests=new_requests,
+            assigned=assigned, appended=appended, released=released, finished=finished,
+        )
+
+    def pending_worker_cleanup(self) -> ForwardBatch | None:
+        """Rows released and states finished while no forward runs: tell the worker anyway."""
+        if not (self._finished_keys or self.kv.released or self.kv.assigned or self.kv.appended):
+            return None
+        assigned, appended, released = self.kv.take_deltas()
+        finished, self._finished_keys = self._finished_keys, []
+        return ForwardBatch(chunks=[], assigned=assigned, appended=appended, released=released, finished=finished)
+
+    def _schedule_decodes(self) -> None:
+        decoding = [r for r in self.running if not r.is_prefilling and not self._scheduled(r)]
+        while True:
+            need = sum(pages_for(r.computed_len + 1, self.page_size) - len(r.pages) for r in decoding)
+            if need <= self.kv.available_pages or len(self.running) <= 1:
+                break
+            victim = self._victim()
+            self._retract(victim)
+            if victim in decoding:
+                decoding.remove(victim)
+        for req in decoding:
+            try:
+                self.kv.grow(req, req.computed_len + 1)
+            except OutOfPages:
+                continue  # a lone request at the pool's limit: context_len prevents this
+            self._add_chunk(req, 1)
+
+    def _continue_prefills(self, budget: int) -> int:
+        for req in self.running:
+            if budget <= 0:
+                break
+            if not req.is_prefilling or self._scheduled(req):
+                continue
+            n = self._grow_for_chunk(req, min(req.fill_len - req.computed_len, budget))
+            if n > 0:
+                self._add_chunk(req, n)
+                budget -= n
+        return budget
+
+    def _admit(self, budget: int) -> None:
+        if not self.waiting:
+            return
+        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        for req in order_waiting(self.waiting, self.config.schedule_policy, self.kv.cache):
+            if budget <= 0 or not self.kv.has_free_row or len(self.running) >= self.config.max_running_requests:
+                break
+            cached = self.kv.cache.peek_prefix_length(req.fill_ids[: req.match_limit], req.namespace)
+            if self._should_wait_for_prefill(req, cached):
+                continue
+            n = min(req.fill_len - cached, budget)
+            need = pages_for(cached + n, self.page_size) - cached // self.page_size
+            reserve = self._reserved_pages() + self._future_pages(req, cached + n) if self.running else 0
+            # the matched pages get locked: they stop counting as evictable
+            if self.kv.available_pages - cached // self.page_size < need + reserve:
+                break  # not `continue`: smaller requests must not starve this one forever
+            matched = self.kv.admit(req)
+            n = self._grow_for_chunk(req, n)
+            if n == 0:
+                self.kv.release(req)
+                break
+            self.waiting.remove(req)
+            self.running.append(req)
+            if not req.admitted:
+                req.admitted = True
+                req.cached_tokens = matched
+                self.counters.prompt_tokens += len(req.input_ids)
+                self.counters.cached_prompt_tokens += matched
+            self._add_chunk(req, n)
+            budget -= n
+
+    def _should_wait_for_prefill(self, req: Request, cached: int) -> bool:
+        """Defer a request whose prefix a running prefill is about to publish (lpm, or n > 1 samples)."""
+        if not self.kv.caching:
+            return False
+        if req.index > 0:
+            siblings = [r for r in self.running if r.rid == req.rid and r.is_prefilling]
+            return shares_uncached_prefix(req, cached, siblings, self.page_size)
+        if self.config.schedule_policy != "lpm":
+            return False
+        prefilling = [r for r in self.running if r.is_prefilling]
+        return shares_uncached_prefix(req, cached, prefilling, max(self.page_size, DEDUP_MIN_TOKENS))
+
+    def _grow_for_chunk(self, req: Request, n: int) -> int:
+        """Pages for the next n tokens, or for as many as fit; returns the tokens covered."""
+        try:
+            self.kv.grow(req, req.computed_len + n)
+            return n
+        except OutOfPages:
+            fit = (len(req.pages) + self.kv.available_pages) * self.page_size - req.computed_len
+            n = max(0, min(n, fit))
+            if n:
+                self.kv.grow(req, req.computed_len + n)
+            return n
+
+    def _reserved_pages(self) -> int:
+        """Pages running requests are expected to still need (admission leaves room for them)."""
+        return sum(self._future_pages(r, r.computed_len) for r in self.running)
+
+    def _future_pages(self, req: Request, computed: int) -> int:
+        """Pages the request may still need once `computed` tokens are stored."""
+        left_prompt = max(0, len(req.input_ids) - computed)
+        left_output = req.sampling.max_new_tokens - len(req.output_ids)
+        return pages_for(left_prompt + int(left_output * self.new_token_ratio), self.page_size)
+
+    def _victim(self) -> Request:
+        """The running request that loses least: fewest output tokens, then latest arrival."""
+        return min(self.running, key=lambda r: (len(r.output_ids), -r.arrival))
+
+    def _retract(self, req: Request) -> None:
+        self._in_flight = [(r, c) for r, c in self._in_flight if r is not req]
+        self.kv.release(req)
+        self.running.remove(req)
+        self.waiting.insert(0, req)
+        self.counters.retractions += 1
+        self.new_token_ratio = min(1.0, self.new_token_ratio + RETRACT_RATIO_STEP)
+        log.info("retracted %s (%d output tokens kept)", req.key, len(req.output_ids))
+
+    def _scheduled(self, req: Request) -> bool:
+        return any(r is req for r, _ in self._in_flight)
+
+    def _add_chunk(self, req: Request, n: int) -> None:
+        start, end = req.computed_len, req.computed_len + n
+        fill = req.fill_ids
+        sample = end == req.fill_len and req.sampling.max_new_tokens > len(req.output_ids)
+        chunk = Chunk(rid=req.key, row=req.row, prefix_len=start, token_ids=fill[start:end], sample=sample)
+        if req.wants_input_logprobs:
+            first = max(req.logprob_start_len, 1) - 1  # logits at position p score token p + 1
+            last = min(end, len(req.input_ids) - 1)  # exclusive: position L-1 scores the output
+            if max(first, start) < last:
+                chunk.input_logprobs_from = max(first, start) - start
+                if end < req.fill_len:
+                    chunk.next_token_id = fill[end]
+        self._in_flight.append((req, chunk))
+
+    # ------------------------------------------------------------------ results
+
+    def process_result(self, result: ForwardResult) -> None:
+        self.last_step_time = time.time()
+        for (req, chunk), res in zip(self._in_flight, result.results):
+            req.computed_len += len(chunk.token_ids)
+            self._collect_input_logprobs(req, chunk, res)
+            if chunk.sample:
+                self._append_token(req, res)
+            elif req.computed_len == req.fill_len and req.sampling.max_new_tokens <= len(req.output_ids):
+                self._finish(req, FinishReason("length"))  # max_new_tokens 0: prompt logprobs only
+            if req.finish is None and req.computed_len < req.fill_len:
+                self.kv.cache_progress(req)
+        self._in_flight = []
+        if self.config.debug_checks:
+            self.kv.check(self.running)
+
+    def _collect_input_logprobs(self, req: Request, chunk: Chunk, res: ChunkResult) -> None:
+        if chunk.input_logprobs_from < 0:
+            return
+        if not req.input_logprobs and req.logprob_start_len == 0:
+            req.input_logprobs.append(None)  # the first prompt token has no logprob
+            req.input_top_logprobs.append([])
+        req.input_logprobs.extend(res.input_logprobs)
+        req.input_top_logprobs.extend(res.input_top_logprobs)
+
+    def _append_token(self, req: Request, res: ChunkResult) -> None:
+        token = res.next_token_id
+        req.output_ids.append(token)
+        self.counters.generation_tokens += 1
+        if req.wants_input_logprobs:
+            req.input_logprobs_done = True
+        finish = self._stop_reason(req, token)
+        out = self._output(req, [token], finish)
+        if req.return_logprob:
+            out.output_logprobs = [res.logprob]
+            out.output_top_logprobs = [res.top_logprobs] if req.top_logprobs_num else []
+        if finish is not None:
+            self._end(req, finish)
+        self.outputs.append(out)
+
+    def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
+        p = req.sampling
+        n_out = len(req.output_ids)
+        if n_out >= p.min_new_tokens:
+            if token in p.stop_token_ids:
+                return FinishReason("stop", matched=token)
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return FinishReason("stop", matched=token)
+            checker = self._stop_checkers.get(req.key)
+            if checker is not None:
+                matched = checker.check(token)
+                if matched is not None:
+                    return FinishReason("stop", matched=matched)
+        elif req.key in self._stop_checkers:
+            self._stop_checkers[req.key].check(token)  # keep its text in sync
+        if n_out >= p.max_new_tokens or req.fill_len >= self.context_len:
+            return FinishReason("length")
+        return None
+
+    def _output(self, req: Request, tokens: list[int], finish: FinishReason | None) -> RequestOutput:
+        out = RequestOutput(
+            rid=req.rid, index=req.index, new_token_ids=tokens, prompt_tokens=len(req.input_ids),
+            cached_tokens=req.cached_tokens, finish=finish,
+        )
+        if req.return_logprob and req.input_logprobs_done and req.input_logprobs:
+            out.input_logprobs, out.input_top_logprobs = req.input_logprobs, req.input_top_logprobs
+            req.input_logprobs, req.input_top_logprobs = [], []
+        return out
+
+    def _finish(self, req: Request, finish: FinishReason) -> None:
+        """End a request that produced no new token this step (abort, max_new_tokens 0)."""
+        if req.wants_input_logprobs and req.computed_len >= len(req.input_ids):
+            req.input_logprobs_done = True
+        self._end(req, finish)
+        self.outputs.append(self._output(req, [], finish))
+
+    def _end(self, req: Request, finish: FinishReason) -> None:
+        req.finish = finish
+        if req in self.running:
+            self.kv.release(req)
+            self.running.remove(req)
+        if req.worker_knows:
+            self._finished_keys.append(req.key)
+        self._stop_checkers.pop(req.key, None)

@@ -1,0 +1,115 @@
+"""The scheduler's bookkeeping of KV memory: free pages, the prefix cache, page-table rows.
+
+Accounting invariant, checked by `check()` after every step in debug mode:
+
+    allocator free + pages held by the tree + request-owned pages == total
+"""
+
+from __future__ import annotations
+
+from radixserve.cache.allocator import OutOfPages, PageAllocator
+from radixserve.cache.base import NoCache, PrefixCache
+from radixserve.cache.radix_tree import RadixTree
+from radixserve.scheduler.request import Request
+
+
+def pages_for(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)
+
+
+class KVManager:
+    """Hands pages and rows to requests, takes them back, and moves finished work into the cache."""
+
+    def __init__(self, total_pages: int, page_size: int, max_rows: int, enable_cache: bool) -> None:
+        self.page_size = page_size
+        self.allocator = PageAllocator(total_pages)
+        self.caching = enable_cache
+        cache_cls = RadixTree if enable_cache else NoCache
+        self.cache: PrefixCache = cache_cls(page_size, self.allocator)
+        self._free_rows = list(range(max_rows - 1, -1, -1))
+        self.assigned: list[tuple[int, list[int]]] = []  # deltas for the next ForwardBatch
+        self.appended: list[tuple[int, list[int]]] = []
+        self.released: list[int] = []
+
+    @property
+    def total_pages(self) -> int:
+        return self.allocator.total
+
+    @property
+    def available_pages(self) -> int:
+        """Pages that could be handed out now: free ones plus unlocked cached ones."""
+        return self.allocator.num_free + self.cache.evictable_pages
+
+    @property
+    def has_free_row(self) -> bool:
+        return bool(self._free_rows)
+
+    def take_deltas(self) -> tuple[list[tuple[int, list[int]]], list[tuple[int, list[int]]], list[int]]:
+        out = (self.assigned, self.appended, self.released)
+        self.assigned, self.appended, self.released = [], [], []
+        return out
+
+    def alloc(self, n: int) -> list[int]:
+        """n pages, evicting least recently used cached prefixes if needed. Raises OutOfPages."""
+        short = n - self.allocator.num_free
+        if short > 0:
+            self.cache.evict(short)
+        return self.allocator.alloc(n)
+
+    def admit(self, req: Request) -> int:
+        """Match and lock the request's cached prefix and give it a row. Returns the matched length."""
+        match = self.cache.match_prefix(req.fill_ids[: req.match_limit], req.namespace)
+        self.cache.lock(match.node)
+        req.node, req.pages, req.tree_len, req.computed_len = match.node, list(match.pages), match.length, match.length
+        req.row = self._free_rows.pop()
+        self.assigned.append((req.row, list(req.pages)))
+        return match.length
+
+    def grow(self, req: Request, new_len: int) -> None:
+        """Make the request's pages cover `new_len` tokens. Raises OutOfPages, changing nothing."""
+        need = pages_for(new_len, self.page_size) - len(req.pages)
+        if need > 0:
+            pages = self.alloc(need)
+            req.pages.extend(pages)
+            self.appended.append((req.row, pages))
+
+    def cache_progress(self, req: Request) -> None:
+        """Publish the request's computed whole pages to the tree so others can hit them now."""
+        aligned = req.computed_len - req.computed_len % self.page_size
+        if not self.caching or aligned <= req.tree_len:
+            return
+        match = self.cache.insert_and_lock(req.fill_ids[:aligned], req.pages, req.namespace)
+        n = len(match.pages)
+        if match.pages != req.pages[:n]:
+            req.pages[:n] = match.pages
+            self.assigned.append((req.row, list(req.pages)))
+        self.cache.unlock(req.node)
+        req.node, req.tree_len = match.node, match.length
+
+    def release(self, req: Request) -> None:
+        """The request leaves the running set: its computed prefix goes to the cache, the rest is freed."""
+        tokens = req.fill_ids[: req.computed_len]
+        self.cache.insert(tokens, req.pages, req.namespace)
+        self.allocator.free(req.pages[len(tokens) // self.page_size :])
+        self.cache.unlock(req.node)
+        self._free_rows.append(req.row)
+        self.released.append(req.row)
+        req.reset_kv()
+
+    def running_pages(self) -> int:
+        return self.allocator.num_used - self.cache.stats().cached_pages
+
+    def check(self, running: list[Request]) -> None:
+        """Raise RuntimeError unless free + tree + request-owned pages == total."""
+        self.allocator.check()
+        self.cache.check()
+        owned = sum(len(r.pages) - r.tree_len // self.page_size for r in running)
+        cached = self.cache.stats().cached_pages
+        if self.allocator.num_free + cached + owned != self.allocator.total:
+            raise RuntimeError(
+                f"page accounting broken: free {self.allocator.num_free} + cached {cached} "
+                f"+ request-owned {owned} != total {self.allocator.total}"
+            )
+
+
+__all__ = ["KVManager", "OutOfPages", "pages_for"]

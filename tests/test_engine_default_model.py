@@ -1,0 +1,57 @@
+"""Exactness of the whole runtime on the default model (SmolLM2-135M-Instruct, fp32):
+greedy outputs through `Engine` equal transformers' greedy `generate`, token for token, with
+chunked prefill, page sizes 1 and 16, and cache hits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixserve import Engine
+from radixserve.front.tokenizer import apply_chat_template, load_tokenizer
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a radix tree is in two sentences.",
+    "List three prime numbers greater than 50.",
+    "How do I reverse a list in Python?",
+]
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def chat_prompts(default_model_dir) -> list[list[int]]:
+    tok = load_tokenizer(default_model_dir)
+    return [apply_chat_template(tok, [{"role": "user", "content": q}]) for q in QUESTIONS]
+
+
+@pytest.fixture(scope="module")
+def hf_outputs(hf_default_model, chat_prompts) -> list[list[int]]:
+    outs = []
+    with torch.no_grad():
+        for p in chat_prompts:
+            ids = torch.tensor([p])
+            gen = hf_default_model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
+            )
+            outs.append(gen[0, len(p):].tolist())
+    return outs
+
+
+@pytest.mark.parametrize("page_size,chunk_size", [(16, 16), (1, 24)])
+def test_greedy_equals_transformers_with_chunks_and_cache_hits(chat_prompts, hf_outputs, page_size, chunk_size):
+    params = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS}
+    with Engine(model="default", dtype="float32", page_size=page_size, chunk_size=chunk_size,
+                kv_pages=8192 // page_size, debug_checks=True) as engine:
+        first = engine.generate(input_ids=chat_prompts, sampling_params=params)
+        assert [o["output_ids"] for o in first] == hf_outputs
+        second = engine.generate(input_ids=chat_prompts, sampling_params=params)
+        assert [o["output_ids"] for o in second] == hf_outputs
+        assert [o["text"] for o in second] == [o["text"] for o in first]
+        for p, o in zip(chat_prompts, second):
+            assert o["meta_info"]["cached_tokens"] == (len(p) - 1) // page_size * page_size > 0
+        stats = engine.get_stats()
+        assert stats["free_pages"] + stats["cached_pages"] == stats["total_pages"]
