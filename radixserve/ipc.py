@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import shutil
 import signal
@@ -109,9 +110,15 @@ def die_with_parent() -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def ignore_interrupts() -> None:
-    """Children leave Ctrl-C to the parent, which shuts them down in order."""
+def start_child(log_level: str) -> zmq.Context:
+    """Common start of the scheduler and worker processes; returns their ZMQ context.
+
+    Children die with their parent and leave Ctrl-C to it (the parent shuts them down in order).
+    """
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return zmq.Context()
 
 
 def socket_dir_is_private(path: str) -> bool:

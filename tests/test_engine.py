@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -232,7 +233,8 @@ def test_killed_worker_fails_requests_and_shutdown_leaves_no_orphans(tiny_dir):
     assert not any(pid_alive(p) for p in pids)
 
 
-def test_killing_the_parent_leaves_no_orphans(tiny_dir, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
+def test_stopping_the_parent_leaves_no_orphans(tiny_dir, tmp_path, sig):
     script = tmp_path / "parent.py"
     script.write_text(
         "import sys, time\n"
@@ -247,8 +249,8 @@ def test_killing_the_parent_leaves_no_orphans(tiny_dir, tmp_path):
         pids = [int(p) for p in proc.stdout.readline().split()]
         assert len(pids) == 2 and all(pid_alive(p) for p in pids)
     finally:
-        proc.kill()
-        proc.wait()
+        proc.send_signal(sig)
+        proc.wait(timeout=30)
     deadline = time.monotonic() + 10
     while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)

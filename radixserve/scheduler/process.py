@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import logging
 
-import zmq
-
 from radixserve.config import ServerConfig
-from radixserve.ipc import Endpoints, Receiver, Sender, die_with_parent, ignore_interrupts
+from radixserve.ipc import Endpoints, Receiver, Sender, start_child
 from radixserve.protocol import (
     AbortRequest,
     FlushCache,
+    ForwardBatch,
+    ForwardResult,
     FrontToScheduler,
     GetStats,
     SchedulerReady,
@@ -31,28 +31,24 @@ IDLE_POLL_MS = 50
 
 
 class WorkerDied(RuntimeError):
-    pass
+    """The worker reported a failure; the scheduler exits and the watchdog fails all requests."""
 
 
 def run_scheduler(config: ServerConfig, endpoints: Endpoints) -> None:
-    die_with_parent()
-    ignore_interrupts()
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    ctx = zmq.Context()
+    ctx = start_child(config.log_level)
     from_front: Receiver = Receiver(ctx, endpoints.front_to_scheduler, bind=True, msg_type=FrontToScheduler)
     to_front = Sender(ctx, endpoints.scheduler_to_front, bind=False)
     from_worker: Receiver = Receiver(ctx, endpoints.worker_to_scheduler, bind=True, msg_type=WorkerToScheduler)
     to_worker = Sender(ctx, endpoints.scheduler_to_worker, bind=False)
 
     ready = from_worker.recv()
-    if isinstance(ready, WorkerFailed):
-        log.error("%s", ready.message)
+    if not isinstance(ready, WorkerReady):
+        log.error("%s", getattr(ready, "message", f"unexpected first message {ready!r}"))
         raise SystemExit(1)
-    assert isinstance(ready, WorkerReady)
     scheduler = Scheduler(config, ready, _stop_checker_factory(ready.model_path))
     to_front.send(SchedulerReady(**{f: getattr(ready, f) for f in WorkerReady.__struct_fields__}))
 
-    def forward(batch) -> object:
+    def forward(batch: ForwardBatch) -> ForwardResult:
         to_worker.send(batch)
         result = from_worker.recv()
         if isinstance(result, WorkerFailed):

@@ -5,20 +5,15 @@ from __future__ import annotations
 import logging
 import traceback
 
-import zmq
-
 from radixserve.config import ServerConfig
-from radixserve.ipc import Endpoints, Receiver, Sender, die_with_parent, ignore_interrupts
+from radixserve.ipc import Endpoints, Receiver, Sender, start_child
 from radixserve.protocol import SchedulerToWorker, Shutdown, WorkerFailed
 
 log = logging.getLogger("radixserve.worker")
 
 
 def run_worker(config: ServerConfig, endpoints: Endpoints) -> None:
-    die_with_parent()
-    ignore_interrupts()
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    ctx = zmq.Context()
+    ctx = start_child(config.log_level)
     inbox: Receiver = Receiver(ctx, endpoints.scheduler_to_worker, bind=True, msg_type=SchedulerToWorker)
     outbox = Sender(ctx, endpoints.worker_to_scheduler, bind=False)
     try:

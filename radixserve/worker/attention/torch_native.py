@@ -41,6 +41,7 @@ class TorchNativeBackend(AttentionBackend):
             if e > 1
         ]
         self._decode_rows = None
+        self._all_decode = len(decode) == batch.batch_size
         if decode:
             lens = torch.tensor([seq_lens[i] for i in decode], device=device)
             dec_len = int(lens.max())
@@ -54,9 +55,11 @@ class TorchNativeBackend(AttentionBackend):
     ) -> torch.Tensor:
         k_pool = self.pool.flat_k(layer_id)
         v_pool = self.pool.flat_v(layer_id)
-        k_pool[self._out_slots] = k
-        v_pool[self._out_slots] = v
+        k_pool.index_copy_(0, self._out_slots, k)
+        v_pool.index_copy_(0, self._out_slots, v)
         scale = self.shape.scale
+        if self._all_decode:
+            return self._decode(q, k_pool, v_pool)
         out = torch.empty_like(q)
         for ext in self._extends:
             qi = q[ext.start : ext.end].transpose(0, 1).unsqueeze(0)  # [1, H, E, D]
@@ -64,7 +67,7 @@ class TorchNativeBackend(AttentionBackend):
                 ki, vi = k[ext.start : ext.end], v[ext.start : ext.end]  # [E, Hkv, D]
                 mask, causal = None, True
             else:
-                ki, vi = k_pool[ext.slots], v_pool[ext.slots]  # [S, Hkv, D]
+                ki, vi = k_pool.index_select(0, ext.slots), v_pool.index_select(0, ext.slots)  # [S, Hkv, D]
                 mask, causal = _offset_causal_mask(ext.end - ext.start, ext.prefix_len, q.device), False
             oi = F.scaled_dot_product_attention(
                 qi, ki.transpose(0, 1).unsqueeze(0), vi.transpose(0, 1).unsqueeze(0),
@@ -72,14 +75,20 @@ class TorchNativeBackend(AttentionBackend):
             )  # [1, H, E, D]
             out[ext.start : ext.end] = oi[0].transpose(0, 1)
         if self._decode_rows is not None:
-            qd = q[self._decode_rows].unsqueeze(2)  # [Bd, H, 1, D]
-            kd = k_pool[self._decode_slots].transpose(1, 2)  # [Bd, Hkv, L, D]
-            vd = v_pool[self._decode_slots].transpose(1, 2)
-            od = F.scaled_dot_product_attention(
-                qd, kd, vd, attn_mask=self._decode_mask, scale=scale, enable_gqa=True
-            )  # [Bd, H, 1, D]
-            out[self._decode_rows] = od.squeeze(2)
+            out[self._decode_rows] = self._decode(q[self._decode_rows], k_pool, v_pool)
         return out
+
+    def _decode(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
+        """One new token per request: q [Bd, H, D] over each request's gathered context."""
+        # index_select on flat slots is ~4x faster on CPU than advanced indexing with a 2-D index
+        shape = (*self._decode_slots.shape, *k_pool.shape[1:])  # [Bd, L, Hkv, D]
+        flat = self._decode_slots.flatten()
+        kd = k_pool.index_select(0, flat).view(shape).transpose(1, 2)  # [Bd, Hkv, L, D]
+        vd = v_pool.index_select(0, flat).view(shape).transpose(1, 2)
+        od = F.scaled_dot_product_attention(
+            q.unsqueeze(2), kd, vd, attn_mask=self._decode_mask, scale=self.shape.scale, enable_gqa=True
+        )  # [Bd, H, 1, D]
+        return od.squeeze(2)
 
 
 class _Extend:
