@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from pydoc_data.topics import topics
+from typing import Any
 
 QUESTIONS = [
     "What is this section about?",

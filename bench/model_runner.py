@@ -4,8 +4,8 @@
 
 Measures prefill tokens/s on one 1,536-token prompt and decode tokens/s at batch 1 and 32 with
 ~512 tokens of context, for radixserve's runner (paged KV, torch-native attention) and for
-transformers (a forward for prefill; batched `generate` for decode, prefill time subtracted).
-Prints a Markdown table with the ratios.
+transformers (a forward for prefill; batched `generate` for decode, timed from its first to its
+last sampling step so its prefill is not counted). Prints a Markdown table with the ratios.
 """
 
 from __future__ import annotations
@@ -59,10 +59,10 @@ class Ours:
         return time.perf_counter() - start
 
     def decode(self, prompts: list[list[int]], steps: int) -> float:
+        """Seconds for `steps` batched decode steps (forward + greedy sampling) after a prefill."""
         self._assign(len(prompts), len(prompts[0]) + steps + 1)
         states = [SamplingState(SamplingParams(temperature=0.0), []) for _ in prompts]
-        for row, p in enumerate(prompts):  # prefill, not timed
-            self.runner.forward([SequenceChunk(row, 0, p)])
+        self.runner.forward([SequenceChunk(row, 0, p) for row, p in enumerate(prompts)])  # not timed
         last = [p[-1] for p in prompts]
         pos = len(prompts[0]) - 1
         start = time.perf_counter()
@@ -71,6 +71,17 @@ class Ours:
             last = self.sampler.sample(out.last_logits, states).token_ids
             pos += 1
         return time.perf_counter() - start
+
+
+class _StepClock:
+    """A logits processor that only records when `generate` finished each forward."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.times.append(time.perf_counter())
+        return scores
 
 
 class HF:
@@ -87,34 +98,44 @@ class HF:
         return time.perf_counter() - start
 
     @torch.inference_mode()
-    def _generate(self, ids: torch.Tensor, new: int) -> float:
-        start = time.perf_counter()
-        self.model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-            do_sample=False, pad_token_id=0,
-        )
-        return time.perf_counter() - start
-
     def decode(self, prompts: list[list[int]], steps: int) -> float:
+        """Seconds for `steps` decode steps of batched `generate` (its prefill not counted)."""
+        from transformers import LogitsProcessorList
+
         ids = torch.tensor(prompts)
-        return self._generate(ids, steps + 1) - self._generate(ids, 1)
+        clock = _StepClock()
+        self.model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps + 1, min_new_tokens=steps + 1,
+            do_sample=False, pad_token_id=0, logits_processor=LogitsProcessorList([clock]),
+        )
+        return clock.times[-1] - clock.times[0]
 
 
-def measure(dtype_name: str, steps: int) -> list[dict[str, object]]:
+def measure(dtype_name: str, steps: int, repeats: int) -> list[dict[str, object]]:
+    """Each number is the best of `repeats` runs, the two systems alternating, so a busy
+    moment on a shared machine penalises neither side more than the other."""
     dtype = getattr(torch, dtype_name)
     torch.manual_seed(0)
     ours, hf = Ours(dtype), HF(dtype)
     prompt = _prompts(1, PREFILL_LEN, ours.vocab)[0]
-    rows = []
     for system in (ours, hf):  # warm-up
         system.prefill(prompt[:64])
-    t_ours, t_hf = min(ours.prefill(prompt) for _ in range(2)), min(hf.prefill(prompt) for _ in range(2))
+    rows = []
+    t_ours, t_hf = _best(repeats, lambda: ours.prefill(prompt), lambda: hf.prefill(prompt))
     rows.append(_row(dtype_name, f"prefill {PREFILL_LEN} tokens", PREFILL_LEN / t_ours, PREFILL_LEN / t_hf))
     for batch in (1, 32):
         prompts = _prompts(batch, CONTEXT, ours.vocab)
-        t_ours, t_hf = ours.decode(prompts, steps), hf.decode(prompts, steps)
+        t_ours, t_hf = _best(repeats, lambda p=prompts: ours.decode(p, steps), lambda p=prompts: hf.decode(p, steps))
         rows.append(_row(dtype_name, f"decode batch {batch}, context {CONTEXT}", batch * steps / t_ours, batch * steps / t_hf))
     return rows
+
+
+def _best(repeats: int, a, b) -> tuple[float, float]:
+    times_a, times_b = [], []
+    for _ in range(repeats):
+        times_a.append(a())
+        times_b.append(b())
+    return min(times_a), min(times_b)
 
 
 def _row(dtype: str, what: str, ours: float, hf: float) -> dict[str, object]:
@@ -125,9 +146,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--decode-steps", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args()
-    rows = [r for d in args.dtypes for r in measure(d, args.decode_steps)]
+    rows = [r for d in args.dtypes for r in measure(d, args.decode_steps, args.repeats)]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print("| dtype | workload | radixserve tok/s | transformers tok/s | ratio |")
     print("|---|---|---:|---:|---:|")
