@@ -82,7 +82,8 @@ class Scheduler:
         self._arrivals = 0
         self._make_stop_checker = stop_checker_factory
         self._stop_checkers: dict[str, StopChecker] = {}
-        self._in_flight: list[tuple[Request, Chunk]] = []
+        self._in_flight: list[tuple[Request, Chunk]] = []  # this step's chunks
+        self._in_flight_keys: set[str] = set()
         self._finished_keys: list[str] = []
         self.outputs: list[RequestOutput] = []
 
@@ -154,7 +155,7 @@ class Scheduler:
     def build_batch(self) -> ForwardBatch | None:
         for req in [r for r in self.running if r.abort_requested]:
             self._finish(req, FinishReason("abort", message="aborted"))
-        self._in_flight = []
+        self._in_flight, self._in_flight_keys = [], set()
         self._schedule_decodes()
         budget = self._continue_prefills(self.config.chunk_size)
         self._admit(budget)
@@ -286,6 +287,7 @@ class Scheduler:
 
     def _retract(self, req: Request) -> None:
         self._in_flight = [(r, c) for r, c in self._in_flight if r is not req]
+        self._in_flight_keys.discard(req.key)
         self.kv.release(req)
         self.running.remove(req)
         self.waiting.insert(0, req)
@@ -294,7 +296,7 @@ class Scheduler:
         log.info("retracted %s (%d output tokens kept)", req.key, len(req.output_ids))
 
     def _scheduled(self, req: Request) -> bool:
-        return any(r is req for r, _ in self._in_flight)
+        return req.key in self._in_flight_keys
 
     def _add_chunk(self, req: Request, n: int) -> None:
         start, end = req.computed_len, req.computed_len + n
@@ -309,6 +311,7 @@ class Scheduler:
                 if end < req.fill_len:
                     chunk.next_token_id = fill[end]
         self._in_flight.append((req, chunk))
+        self._in_flight_keys.add(req.key)
 
     # ------------------------------------------------------------------ results
 
@@ -323,7 +326,7 @@ class Scheduler:
                 self._finish(req, FinishReason("length"))  # max_new_tokens 0: prompt logprobs only
             if req.finish is None and req.computed_len < req.fill_len:
                 self.kv.cache_progress(req)
-        self._in_flight = []
+        self._in_flight, self._in_flight_keys = [], set()
         if self.config.debug_checks:
             self.kv.check(self.running)
 

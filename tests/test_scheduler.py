@@ -1,0 +1,230 @@
+"""The scheduler's decisions, driven without processes by a fake worker.
+
+The fake worker mirrors page tables from the scheduler's diffs (with the real `PageTable`),
+checks that every chunk's pages are assigned, and "samples" a token that depends only on the
+previous token and its position, so outputs must not depend on batching, chunking, caching
+or retraction.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from radixserve.config import ServerConfig
+from radixserve.protocol import (
+    ChunkResult,
+    ForwardBatch,
+    ForwardResult,
+    RequestRejected,
+    SamplingParams,
+    TokenizedRequest,
+    WorkerReady,
+)
+from radixserve.scheduler.core import Scheduler
+from radixserve.worker.page_table import PageTable
+
+EOS = 2
+
+
+def fake_token(prev: int, pos: int) -> int:
+    return (prev * 31 + pos * 7) % 997 + 3  # never EOS
+
+
+class FakeWorker:
+    def __init__(self, rows: int, pages_per_row: int, page_size: int) -> None:
+        self.table = PageTable(rows, pages_per_row)
+        self.page_size = page_size
+        self.steps: list[ForwardBatch] = []
+
+    def step(self, batch: ForwardBatch) -> ForwardResult:
+        self.steps.append(batch)
+        for row in batch.released:
+            self.table.release(row)
+        for row, pages in batch.assigned:
+            self.table.assign(row, pages)
+        for row, pages in batch.appended:
+            self.table.append(row, pages)
+        results = []
+        for c in batch.chunks:
+            end = c.prefix_len + len(c.token_ids)
+            assert self.table.num_pages(c.row) * self.page_size >= end
+            res = ChunkResult()
+            if c.sample:
+                res.next_token_id = fake_token(c.token_ids[-1], end - 1)
+            results.append(res)
+        return ForwardResult(results, 0.0)
+
+
+def make(page_size: int = 4, pages: int = 256, **options) -> tuple[Scheduler, FakeWorker]:
+    config = ServerConfig(page_size=page_size, debug_checks=True, **options)
+    ready = WorkerReady(pages, page_size, pages * page_size, 1000, [EOS], "fake", "float32", "cpu")
+    sched = Scheduler(config, ready, lambda req: None)
+    return sched, FakeWorker(config.max_running_requests, pages, page_size)
+
+
+def request(rid: str, ids: list[int], max_new: int = 5, **kw) -> TokenizedRequest:
+    return TokenizedRequest(rid, ids, SamplingParams(temperature=0.0, max_new_tokens=max_new, **kw.pop("sp", {})), **kw)
+
+
+def run(sched: Scheduler, worker: FakeWorker, max_steps: int = 10_000) -> dict[tuple[str, int], dict]:
+    """Step until idle; return each sample's tokens, cached count and finish reason."""
+    done: dict[tuple[str, int], dict] = {}
+    for _ in range(max_steps):
+        batch = sched.build_batch()
+        if batch is not None:
+            sched.process_result(worker.step(batch))
+        for out in sched.outputs:
+            d = done.setdefault((out.rid, out.index), {"tokens": [], "cached": out.cached_tokens})
+            d["tokens"] += out.new_token_ids
+            if out.finish is not None:
+                d["finish"] = out.finish
+        sched.outputs = []
+        if batch is None:
+            break
+    assert not sched.has_work
+    sched.kv.check([])
+    assert sched.kv.allocator.num_free + sched.kv.cache.stats().cached_pages == sched.kv.total_pages
+    return done
+
+
+def expected_tokens(ids: list[int], n: int) -> list[int]:
+    out, prev, pos = [], ids[-1], len(ids) - 1
+    for _ in range(n):
+        prev = fake_token(prev, pos)
+        out.append(prev)
+        pos += 1
+    return out
+
+
+def test_outputs_and_cached_tokens():
+    sched, worker = make()
+    prompt = list(range(10, 40))  # 30 tokens
+    sched.add_request(request("a", prompt))
+    first = run(sched, worker)
+    sched.add_request(request("b", prompt))
+    second = run(sched, worker)
+    assert first["a", 0]["tokens"] == second["b", 0]["tokens"] == expected_tokens(prompt, 5)
+    assert first["a", 0]["cached"] == 0
+    assert second["b", 0]["cached"] == 28  # (30 - 1) // 4 * 4: the last token is always computed
+    assert second["b", 0]["finish"].type == "length"
+
+
+def test_chunked_prefill_respects_the_token_budget():
+    sched, worker = make(chunk_size=8)
+    sched.add_request(request("a", list(range(100, 150))))
+    sched.add_request(request("b", list(range(200, 230))))
+    done = run(sched, worker)
+    for batch in worker.steps:
+        prefill = sum(len(c.token_ids) for c in batch.chunks if len(c.token_ids) > 1 or c.prefix_len == 0)
+        assert prefill <= 8
+    assert done["a", 0]["tokens"] == expected_tokens(list(range(100, 150)), 5)
+
+
+def test_lpm_admits_the_longest_cached_prefix_first():
+    sched, worker = make(max_running_requests=1)
+    doc = list(range(500, 540))
+    sched.add_request(request("warm", doc + [1]))
+    run(sched, worker)
+    sched.add_request(request("cold", list(range(700, 741))))
+    sched.add_request(request("hot", doc + [9]))
+    batch = sched.build_batch()
+    assert [c.rid for c in batch.chunks] == ["hot"]
+
+
+def test_lpm_deduplicates_a_burst_over_a_new_document():
+    sched, worker = make()
+    doc = list(range(300, 364))  # 64 uncached tokens shared by all
+    for i in range(4):
+        sched.add_request(request(f"q{i}", doc + [900 + i, 901 + i]))
+    first = sched.build_batch()
+    assert [c.rid for c in first.chunks] == ["q0"]  # the others wait for q0's pages
+    sched.process_result(worker.step(first))
+    sched.outputs = []
+    done = run(sched, worker)
+    assert all(done[f"q{i}", 0]["cached"] == 64 for i in range(1, 4))
+
+
+def test_fcfs_does_not_wait():
+    sched, worker = make(schedule_policy="fcfs")
+    doc = list(range(300, 364))
+    for i in range(3):
+        sched.add_request(request(f"q{i}", doc + [900 + i]))
+    assert len(sched.build_batch().chunks) == 3
+
+
+def test_tiny_pool_retracts_and_outputs_do_not_change():
+    prompts = [list(range(100 * i, 100 * i + 9 + i)) for i in range(1, 9)]
+    roomy, w1 = make(pages=512)
+    tight, w2 = make(pages=24)
+    for s in (roomy, tight):
+        for i, p in enumerate(prompts):
+            s.add_request(request(f"r{i}", p, max_new=30, sp={"ignore_eos": True}))
+    a, b = run(roomy, w1), run(tight, w2)
+    assert tight.counters.retractions > 0
+    assert {k: v["tokens"] for k, v in a.items()} == {k: v["tokens"] for k, v in b.items()}
+    assert all(len(v["tokens"]) == 30 for v in b.values())
+
+
+def test_abort_waiting_and_running_requests_frees_pages():
+    sched, worker = make(max_running_requests=1)
+    sched.add_request(request("run", list(range(10, 30)), max_new=100))
+    sched.add_request(request("wait", list(range(40, 60)), max_new=100))
+    sched.process_result(worker.step(sched.build_batch()))
+    sched.abort("wait")
+    sched.abort("run")
+    done = run(sched, worker)
+    assert done["wait", 0]["finish"].type == "abort"
+    assert done["run", 0]["finish"].type == "abort"
+
+
+def test_full_queue_and_oversized_prompt_are_rejected():
+    sched, _ = make(pages=8, max_queued_requests=2)
+    assert sched.add_request(request("a", [5, 6])) is None
+    assert sched.add_request(request("b", [5, 6])) is None
+    full = sched.add_request(request("c", [5, 6]))
+    assert isinstance(full, RequestRejected) and full.retryable
+    sched, _ = make(pages=8)
+    big = sched.add_request(request("d", list(range(3, 40))))  # 37 tokens > 8 pages x 4
+    assert isinstance(big, RequestRejected) and not big.retryable and "does not fit" in big.message
+
+
+def test_n_samples_share_prompt_pages_and_get_distinct_seeds():
+    sched, worker = make()
+    sched.add_request(request("n", list(range(10, 30)), sp={"n": 3, "seed": 7}))
+    seeds = [r.sampling.seed for r in sched.waiting]
+    assert seeds == [7, 8, 9]
+    done = run(sched, worker)
+    assert [done["n", i]["cached"] for i in range(3)] == [0, 16, 16]
+
+
+def test_stop_token_ids_and_min_new_tokens():
+    prompt = list(range(10, 20))
+    tokens = expected_tokens(prompt, 6)
+    sched, worker = make()
+    sched.add_request(request("a", prompt, max_new=6, sp={"stop_token_ids": [tokens[1]]}))
+    sched.add_request(request("b", prompt, max_new=6, sp={"stop_token_ids": [tokens[1]], "min_new_tokens": 3}))
+    done = run(sched, worker)
+    assert done["a", 0]["tokens"] == tokens[:2]
+    assert done["a", 0]["finish"].matched == tokens[1]
+    assert done["b", 0]["tokens"] == tokens and done["b", 0]["finish"].type == "length"
+
+
+@pytest.mark.parametrize("start", [0, 5, 13])
+def test_prompt_logprob_chunks_cover_every_requested_position(start):
+    sched, worker = make(chunk_size=4)
+    prompt = list(range(50, 64))  # 14 tokens
+    sched.add_request(request("warm", prompt, max_new=1))
+    run(sched, worker)
+    sched.add_request(request("lp", prompt, max_new=0, return_logprob=True, logprob_start_len=start))
+    covered = []
+    for _ in range(20):
+        batch = sched.build_batch()
+        if batch is None:
+            break
+        for c in batch.chunks:
+            if c.input_logprobs_from >= 0:
+                first = c.prefix_len + c.input_logprobs_from
+                last = c.prefix_len + len(c.token_ids) - (0 if c.next_token_id >= 0 else 1)
+                covered += list(range(first, last))  # positions whose next token gets scored
+        sched.process_result(worker.step(batch))
+    assert covered == list(range(max(start, 1) - 1, len(prompt) - 1))
