@@ -11,6 +11,8 @@ from dataclasses import dataclass
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 POLICIES = ("lpm", "fcfs")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+ATTENTION_BACKENDS = ("auto", "flashinfer", "torch_native")
 
 
 @dataclass(frozen=True)
@@ -20,6 +22,8 @@ class ServerConfig:
     model: str = "default"
     dtype: str = "auto"  # auto: bf16 where the hardware runs it fast (CUDA, AMX/AVX512-BF16 CPUs)
     device: str = "auto"
+    attention_backend: str = "auto"  # auto: flashinfer on CUDA when installed, else torch_native
+    disable_cuda_graph: bool = False  # CUDA only: run decode steps eagerly instead of replaying graphs
     page_size: int = 16
     chunk_size: int = 512  # per-step budget of prompt tokens to compute (chunked prefill)
     max_running_requests: int = 64
@@ -36,12 +40,20 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 30000
     api_key: str | None = None
+    served_model_name: str | None = None  # the model id of the OpenAI API; None: `model`
+    max_body_bytes: int = 32 * 1024 * 1024  # largest request body accepted (413 above)
+    health_timeout: float = 10.0  # /health: seconds the scheduler and worker have to answer
+    shutdown_timeout: float = 10.0  # on SIGINT/SIGTERM: seconds to let in-flight requests finish
     log_level: str = "info"
 
     def __post_init__(self) -> None:
         _choice("dtype", self.dtype, DTYPES)
         _choice("device", self.device, DEVICES)
+        _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        if self.attention_backend == "flashinfer" and self.device == "cpu":
+            raise ValueError("attention_backend 'flashinfer' needs CUDA; use device cuda or auto, or attention_backend torch_native")
         _choice("schedule_policy", self.schedule_policy, POLICIES)
+        _choice("log_level", self.log_level, LOG_LEVELS)
         _at_least("page_size", self.page_size, 1)
         _at_least("chunk_size", self.chunk_size, 1)
         _at_least("max_running_requests", self.max_running_requests, 1)
@@ -54,6 +66,17 @@ class ServerConfig:
             _at_least("context_len", self.context_len, 2)
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
+        _at_least("max_body_bytes", self.max_body_bytes, 1)
+        for name in ("health_timeout", "shutdown_timeout", "startup_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty")
+
+    @property
+    def model_name(self) -> str:
+        """The model's id in the OpenAI API (`/v1/models`, the `model` field of requests)."""
+        return self.served_model_name or self.model
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> ServerConfig:

@@ -88,14 +88,11 @@ class Backend:
         if self._stopping:
             return
         self._stopping = True
-        if self.scheduler.is_alive():
-            sender = Sender(zmq.Context.instance(), self.endpoints.front_to_scheduler, bind=False)
-            sender.send(Shutdown())
-            sender.socket.close()
-        if self.worker.is_alive():
-            sender = Sender(zmq.Context.instance(), self.endpoints.scheduler_to_worker, bind=False)
-            sender.send(Shutdown())
-            sender.socket.close()
+        for proc, addr in ((self.scheduler, self.endpoints.front_to_scheduler), (self.worker, self.endpoints.scheduler_to_worker)):
+            if proc.is_alive():
+                sender = Sender(zmq.Context.instance(), addr, bind=False)
+                sender.send(Shutdown())
+                sender.socket.close(linger=1000)  # LINGER 0 would drop the message unsent
         deadline = time.monotonic() + timeout
         for p in self.processes:
             if p.pid is not None:

@@ -13,7 +13,10 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from radixserve.models.resolve import resolve_model
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+    "chat_template.jinja",  # where transformers 5 keeps the chat template
+)
 
 
 def make_tiny_chat_model(path: Path, seed: int = 0) -> Path:

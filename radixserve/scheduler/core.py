@@ -333,9 +333,6 @@ class Scheduler:
     def _collect_input_logprobs(self, req: Request, chunk: Chunk, res: ChunkResult) -> None:
         if chunk.input_logprobs_from < 0:
             return
-        if not req.input_logprobs and req.logprob_start_len == 0:
-            req.input_logprobs.append(None)  # the first prompt token has no logprob
-            req.input_top_logprobs.append([])
         req.input_logprobs.extend(res.input_logprobs)
         req.input_top_logprobs.extend(res.input_top_logprobs)
 
@@ -378,9 +375,11 @@ class Scheduler:
             rid=req.rid, index=req.index, new_token_ids=tokens, prompt_tokens=len(req.input_ids),
             cached_tokens=req.cached_tokens, finish=finish,
         )
-        if req.return_logprob and req.input_logprobs_done and req.input_logprobs:
-            out.input_logprobs, out.input_top_logprobs = req.input_logprobs, req.input_top_logprobs
-            req.input_logprobs, req.input_top_logprobs = [], []
+        if req.return_logprob and req.input_logprobs_done and not req.input_logprobs_sent:
+            lead = 1 if req.logprob_start_len == 0 else 0  # the first prompt token has no logprob
+            out.input_logprobs = [None] * lead + req.input_logprobs
+            out.input_top_logprobs = [[]] * lead + req.input_top_logprobs
+            req.input_logprobs_sent = True
         return out
 
     def _finish(self, req: Request, finish: FinishReason) -> None:

@@ -48,6 +48,7 @@ class Request:
     input_logprobs: list[float | None] = field(default_factory=list)
     input_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     input_logprobs_done: bool = False
+    input_logprobs_sent: bool = False
     finish: FinishReason | None = None
     abort_requested: bool = False
     created: float = field(default_factory=time.monotonic)

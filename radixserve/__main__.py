@@ -1,0 +1,215 @@
+"""The command line: `radixserve serve --model default --port 30000` (or `python -m radixserve`).
+
+Every `ServerConfig` field is an option (`page_size` <-> `--page-size`), generated from the
+dataclass so the two cannot drift; `HELP` documents each one.
+
+`serve` runs everything the HTTP server needs in one process tree: this process binds the port
+(failing fast if it is taken), starts the scheduler and worker processes, then runs uvicorn with
+the front (tokenizer manager) in uvicorn's event loop. SIGINT/SIGTERM: stop accepting, let
+in-flight requests finish for up to `--shutdown-timeout` seconds, then stop the scheduler and
+worker and exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import signal
+import socket
+import sys
+import types
+import typing
+from collections.abc import Sequence
+from typing import Any
+
+from radixserve import __version__
+from radixserve.config import (
+    ATTENTION_BACKENDS,
+    DEVICES,
+    DTYPES,
+    LOG_LEVELS,
+    POLICIES,
+    ServerConfig,
+)
+
+log = logging.getLogger("radixserve")
+
+API_KEY_ENV = "RADIXSERVE_API_KEY"
+
+HELP = {
+    "model": "model to serve: 'default' (SmolLM2-135M-Instruct), a Hugging Face folder, or a .gguf file",
+    "dtype": "weights and KV dtype; auto picks bfloat16 where the hardware runs it fast, else float32",
+    "device": "where the model runs; auto picks cuda when available, else cpu",
+    "attention_backend": "paged attention kernels; auto picks flashinfer on cuda when it is installed "
+    "(pip install radixserve[cuda]), else torch_native",
+    "disable_cuda_graph": "on cuda, run decode steps eagerly instead of replaying captured CUDA graphs",
+    "page_size": "tokens per KV page (the unit of caching and allocation)",
+    "chunk_size": "prompt tokens computed per step at most (chunked prefill budget)",
+    "max_running_requests": "sequences decoded together at most",
+    "max_queued_requests": "sequences waiting at most; beyond it requests get 503 with Retry-After",
+    "kv_pages": "KV pool size in pages (overrides --kv-memory-gb)",
+    "kv_memory_gb": "KV pool size in GiB when --kv-pages is not given",
+    "context_len": "cap on prompt + output tokens of one request (default: the model's limit)",
+    "schedule_policy": "waiting-queue order: lpm (longest cached prefix first) or fcfs",
+    "disable_radix_cache": "keep the paging but cache no prefixes (the benchmark baseline)",
+    "seed": "sampling seed for requests that bring none",
+    "debug_checks": "cross-check KV page accounting after every step (slow; for debugging)",
+    "startup_timeout": "seconds the model may take to load",
+    "host": "address to listen on; 127.0.0.1 keeps the server local (use 0.0.0.0 with --api-key)",
+    "port": "TCP port to listen on",
+    "api_key": f"require 'Authorization: Bearer <key>' on every route but /health (or set ${API_KEY_ENV})",
+    "served_model_name": "the model id in the OpenAI API (/v1/models, the 'model' field); default: --model",
+    "max_body_bytes": "largest request body accepted, in bytes (413 beyond)",
+    "health_timeout": "seconds the scheduler and worker have to answer a /health check",
+    "shutdown_timeout": "on SIGINT/SIGTERM, seconds in-flight requests get to finish",
+    "log_level": "logging level of every process",
+}
+_CHOICES = {
+    "dtype": DTYPES, "device": DEVICES, "attention_backend": ATTENTION_BACKENDS,
+    "schedule_policy": POLICIES, "log_level": LOG_LEVELS,
+}
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except the absent ones (None, False) that the help text explains."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="radixserve", description="An LLM serving runtime built around prefix caching.")
+    parser.add_argument("--version", action="version", version=f"radixserve {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    serve_parser = commands.add_parser(
+        "serve", help="serve a model over HTTP (native /generate and an OpenAI-compatible API)",
+        description="Serve a model over HTTP: /generate, /v1/completions, /v1/chat/completions, "
+        "/v1/models, /health, /metrics, /server_info, /flush_cache.",
+        formatter_class=_HelpFormatter,
+    )
+    hints = typing.get_type_hints(ServerConfig)
+    for f in dataclasses.fields(ServerConfig):
+        _add_option(serve_parser, f, hints[f.name])
+    return parser
+
+
+def _add_option(parser: argparse.ArgumentParser, f: dataclasses.Field, hint: Any) -> None:
+    if f.name not in HELP:
+        raise KeyError(f"ServerConfig.{f.name} has no help text in radixserve.__main__.HELP")
+    flag = "--" + f.name.replace("_", "-")
+    if hint is bool:
+        action = "store_true" if f.default is False else argparse.BooleanOptionalAction
+        parser.add_argument(flag, action=action, default=f.default, help=HELP[f.name])
+        return
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):  # `int | None`: the non-None type
+        hint = next(t for t in typing.get_args(hint) if t is not type(None))
+    metavar = None if f.name in _CHOICES else f.name.upper()
+    parser.add_argument(
+        flag, type=hint, default=f.default, choices=_CHOICES.get(f.name), metavar=metavar, help=HELP[f.name],
+    )
+
+
+def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ServerConfig:
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig)}
+    if values["api_key"] is None and os.environ.get(API_KEY_ENV):
+        values["api_key"] = os.environ[API_KEY_ENV]
+    try:
+        return ServerConfig(**values)
+    except ValueError as exc:
+        parser.error(str(exc))
+        raise  # unreachable: parser.error exits
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command != "serve":
+        parser.print_help(sys.stderr)
+        return 2
+    return serve(config_from_args(args, parser))
+
+
+# ---------------------------------------------------------------------- serve
+
+
+class _Signals:
+    """SIGINT/SIGTERM outside uvicorn's run (while the model loads) interrupt start-up; uvicorn
+    handles them while it runs, and re-raises the one it got when it is done: then, a no-op."""
+
+    def __init__(self) -> None:
+        self.uvicorn_running = False
+
+    def __call__(self, signum: int, frame: types.FrameType | None) -> None:
+        if not self.uvicorn_running:
+            raise KeyboardInterrupt
+
+
+def serve(config: ServerConfig) -> int:
+    import uvicorn
+
+    from radixserve.front.http_server import create_app
+    from radixserve.front.tokenizer import load_tokenizer
+    from radixserve.launch import Backend, StartupError
+
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    sock = _bind(config.host, config.port)  # before the model loads: a taken port fails in a second
+    signals = _Signals()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signals)
+    log.info("loading %s ...", config.model)
+    backend = Backend(config)
+    try:
+        ready = backend.start()
+        app = create_app(config, backend, ready, load_tokenizer(ready.model_path))
+        _log_ready(config, ready)
+        server = uvicorn.Server(uvicorn.Config(
+            app, log_level=config.log_level, lifespan="on",
+            timeout_graceful_shutdown=max(1, round(config.shutdown_timeout)),
+        ))
+        signals.uvicorn_running = True
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        log.info("interrupted; shutting down")
+    except StartupError as exc:
+        log.error("%s", exc)
+        return 1
+    finally:
+        signals.uvicorn_running = False
+        backend.stop()
+        sock.close()
+    log.info("stopped")
+    return 0
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise SystemExit(f"radixserve: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
+def _log_ready(config: ServerConfig, ready: Any) -> None:
+    host = f"[{config.host}]" if ":" in config.host else config.host
+    log.info(
+        "model %s (%s), dtype %s, device %s, context %d tokens",
+        config.model_name, ready.model_path, ready.dtype, ready.device, ready.context_len,
+    )
+    log.info(
+        "KV pool: %d pages x %d tokens = %d tokens; radix cache %s",
+        ready.total_pages, ready.page_size, ready.total_pages * ready.page_size,
+        "off" if config.disable_radix_cache else "on",
+    )
+    log.info("serving at http://%s:%d%s", host, config.port, " (API key required)" if config.api_key else "")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

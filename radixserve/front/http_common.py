@@ -1,0 +1,216 @@
+"""HTTP plumbing shared by the native and OpenAI routes: bounded JSON bodies, one error shape,
+server-sent events, merging the streams of several requests, and aborting on disconnect.
+
+Every error body has OpenAI's shape, on every route:
+``{"error": {"message": ..., "type": ..., "param": ..., "code": ...}}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from radixserve.front.manager import EngineDead, RequestFailed
+from radixserve.front.validation import InvalidRequest
+
+log = logging.getLogger("radixserve.http")
+
+T = TypeVar("T")
+SSE_DONE = b"data: [DONE]\n\n"
+RETRY_AFTER_S = "1"
+_encoder = msgspec.json.Encoder()
+
+
+class HTTPError(Exception):
+    """An error answer: status, a message for the client, and the OpenAI error fields."""
+
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        if self.status == 401:
+            kind = "authentication_error"
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+    def response(self) -> Response:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+class ClientGone(Exception):
+    """The client closed the connection; the request was aborted and nobody reads an answer."""
+
+
+class JSONResponse(Response):
+    """JSON via msgspec: fast, and non-finite floats (a -inf logprob) become null, never a 500."""
+
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        return _encoder.encode(content)
+
+
+def to_http_error(exc: BaseException) -> HTTPError:
+    """What the client is told for an exception of the front or the runtime."""
+    if isinstance(exc, HTTPError):
+        return exc
+    if isinstance(exc, InvalidRequest):
+        return HTTPError(400, exc.message, param=exc.param)
+    if isinstance(exc, EngineDead):
+        return HTTPError(503, f"the server cannot serve requests: {exc.message}", code="engine_dead")
+    if isinstance(exc, RequestFailed):
+        if exc.retryable:
+            return HTTPError(503, exc.message, code="overloaded", headers={"Retry-After": RETRY_AFTER_S})
+        return HTTPError(400, exc.message)
+    log.exception("unexpected error while serving a request", exc_info=exc)
+    return HTTPError(500, f"internal error: {type(exc).__name__}")
+
+
+def handles_errors(
+    handler: Callable[[Request], Awaitable[Response]],
+) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+    """Wrap a route so that every failure becomes a JSON error answer."""
+
+    async def wrapped(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except ClientGone:
+            return Response(status_code=499)  # nobody is listening; uvicorn drops it
+        except Exception as exc:  # noqa: BLE001 - every error becomes an answer, never a crash
+            return to_http_error(exc).response()
+
+    wrapped.__name__ = handler.__name__
+    wrapped.__doc__ = handler.__doc__
+    return wrapped
+
+
+async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
+    """The request body as a JSON object; 413 past `max_bytes` (checked while reading)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise HTTPError(413, f"the request body ({declared} bytes) exceeds the limit of {max_bytes} bytes", code="body_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise HTTPError(413, f"the request body exceeds the limit of {max_bytes} bytes", code="body_too_large")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw.strip():
+        raise HTTPError(400, "the request body is empty; send a JSON object")
+    try:
+        body = msgspec.json.decode(raw)
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+        raise HTTPError(400, f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise HTTPError(400, "the request body is not valid JSON: nested too deeply") from None
+    if not isinstance(body, dict):
+        raise HTTPError(400, f"the request body must be a JSON object, got {_json_type(body)}")
+    return body
+
+
+def _json_type(value: Any) -> str:
+    return {list: "array", str: "string", int: "integer", float: "number", bool: "boolean"}.get(type(value), "null")
+
+
+async def until_disconnect(request: Request, work: Coroutine[Any, Any, T]) -> T:
+    """Run `work` unless the client goes away first; then cancel it (which aborts the request
+    in the scheduler and frees its pages) and raise ClientGone.
+
+    Starlette cancels nothing when a client leaves during a non-streaming answer, so the body
+    must have been read already: what `receive` gives next is the disconnect.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request.receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise ClientGone()
+    finally:
+        task.cancel()
+        watcher.cancel()
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def sse(obj: Any) -> bytes:
+    """One server-sent event carrying a JSON object."""
+    return b"data: " + _encoder.encode(obj) + b"\n\n"
+
+
+class SSEResponse(StreamingResponse):
+    """A text/event-stream answer that closes its generator however the stream ends.
+
+    Starlette stops iterating when the client disconnects but leaves the generator suspended;
+    closing it runs its cleanup now, which aborts the requests behind it.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[bytes], **kwargs: Any) -> None:
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        super().__init__(content, headers=headers, **kwargs)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
+async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """Items of several async iterators as they come, tagged with the iterator's position.
+
+    The first error of any stream is raised; closing the merged stream (or an error) cancels
+    the others, which aborts their requests.
+    """
+    if len(streams) == 1:
+        try:
+            async for item in streams[0]:
+                yield 0, item
+        finally:
+            await streams[0].aclose()  # type: ignore[attr-defined]
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump(i: int, stream: AsyncIterator[T]) -> None:
+        try:
+            async for item in stream:
+                queue.put_nowait((i, item))
+            queue.put_nowait((i, end))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait((i, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is end:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()

@@ -1,0 +1,350 @@
+"""The HTTP server: SGLang-style native routes, the OpenAI-compatible API, health and metrics.
+
+`create_app` builds the Starlette app over a started `Backend` (scheduler and worker processes);
+the `TokenizerManager` is created in the server's own event loop (lifespan). Routes are thin:
+parse, call the front library, shape the answer.
+
+    GET  /health           200 only when the scheduler and worker answer (no API key needed)
+    GET  /metrics          Prometheus text
+    GET  /server_info      options, model, KV pages (total, free, cached, in use), pids
+    POST /flush_cache      drop every unlocked cached prefix
+    POST /generate         SGLang's native API (text or input_ids, one or a batch; SSE streaming)
+    GET  /v1/models        the one served model
+    POST /v1/completions, /v1/chat/completions   see openai_api.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing, asynccontextmanager
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from radixserve import __version__
+from radixserve.config import ServerConfig
+from radixserve.front import openai_api
+from radixserve.front.http_common import (
+    SSE_DONE,
+    HTTPError,
+    JSONResponse,
+    SSEResponse,
+    handles_errors,
+    read_json,
+    sse,
+    to_http_error,
+    until_disconnect,
+)
+from radixserve.front.inputs import build_requests
+from radixserve.front.manager import EngineDead, GenerateRequest, TokenizerManager
+from radixserve.front.metrics import CONTENT_TYPE
+from radixserve.front.serving import ServerState
+from radixserve.front.validation import InvalidRequest
+from radixserve.launch import Backend
+from radixserve.protocol import SamplingParams, SchedulerReady
+
+log = logging.getLogger("radixserve.http")
+
+PROBE_WHEN_IDLE_FOR_S = 5.0  # /health runs a one-token request when no step ran for this long
+
+_GENERATE_FIELDS = frozenset({
+    "text", "input_ids", "sampling_params", "stream", "return_logprob", "logprob_start_len",
+    "top_logprobs_num", "return_text_in_logprobs", "rid", "cache_salt",
+})
+# SGLang fields we do not implement: accepted only when null/false/empty
+_GENERATE_UNSUPPORTED = frozenset({
+    "image_data", "video_data", "audio_data", "input_embeds", "lora_path", "lora_id",
+    "session_params", "custom_logit_processor", "return_hidden_states", "token_ids_logprob",
+    "bootstrap_host", "bootstrap_port", "bootstrap_room", "data_parallel_rank", "modalities",
+})
+
+
+def create_app(config: ServerConfig, backend: Backend, ready: SchedulerReady, tokenizer: Any) -> Starlette:
+    """The ASGI app over a started backend. The API key, if any, guards every route but /health."""
+    state = ServerState(config=config, backend=backend, ready=ready, tokenizer=tokenizer)
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/server_info", server_info, methods=["GET"]),
+        Route("/flush_cache", flush_cache, methods=["GET", "POST"]),
+        Route("/generate", generate, methods=["POST"]),
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/models/{model:path}", get_model, methods=["GET"]),
+        Route("/v1/completions", openai_api.completions, methods=["POST"]),
+        Route("/v1/chat/completions", openai_api.chat_completions, methods=["POST"]),
+    ]
+    app = Starlette(
+        routes=routes, lifespan=_lifespan,
+        exception_handlers={HTTPException: _http_exception},  # 404, 405 as JSON too
+    )
+    app.state.server = state
+    if config.api_key is not None:
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    return app
+
+
+@asynccontextmanager
+async def _lifespan(app: Starlette) -> AsyncIterator[None]:
+    state: ServerState = app.state.server
+    manager = TokenizerManager(state.backend.endpoints, state.ready, state.tokenizer)
+    manager.start(state.backend.receiver)
+    state.manager = manager
+    loop = asyncio.get_running_loop()
+
+    def on_death(reason: str) -> None:
+        try:
+            loop.call_soon_threadsafe(manager.fail_all, reason)
+        except RuntimeError:  # the loop is already closed: we are shutting down
+            pass
+
+    state.backend.watch(on_death)
+    try:
+        yield
+    finally:
+        await manager.shutdown()
+
+
+async def _http_exception(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    message = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
+    return HTTPError(exc.status_code, message.get(exc.status_code, str(exc.detail))).response()
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+class APIKeyMiddleware:
+    """`Authorization: Bearer <key>` on every route except /health, compared in constant time
+    (digests of equal length, so not even the key's length leaks)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._digest = hashlib.sha256(api_key.encode()).digest()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] == "/health" or self._authorized(scope):
+            await self.app(scope, receive, send)
+            return
+        error = HTTPError(401, "a valid API key is required: send `Authorization: Bearer <key>`", code="invalid_api_key")
+        response = error.response()
+        response.headers["WWW-Authenticate"] = "Bearer"
+        await response(scope, receive, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        value = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        scheme, _, token = value.partition(b" ")
+        digest = hashlib.sha256(token.strip()).digest()
+        return hmac.compare_digest(digest, self._digest) and scheme.lower() == b"bearer"
+
+
+# ---------------------------------------------------------------------- health, metrics, admin
+
+
+async def health(request: Request) -> Response:
+    problem = await _health_problem(_state(request))
+    if problem is not None:
+        return JSONResponse({"status": "unhealthy", "reason": problem}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+async def _health_problem(state: ServerState) -> str | None:
+    """None when the scheduler answers and the worker has completed a step recently (or
+    completes a one-token probe now); otherwise why not."""
+    manager = state.manager
+    if manager is None:
+        return "the server is starting"
+    if manager.dead_reason:
+        return manager.dead_reason
+    for p in state.backend.processes:
+        if not p.is_alive():
+            return f"the {p.name.split('-')[-1]} process is not running"
+    timeout = state.config.health_timeout
+    try:
+        stats = await manager.stats(timeout=timeout)
+    except asyncio.TimeoutError:
+        return f"the scheduler did not answer within {timeout:g} s (a step may be stuck in the worker)"
+    except EngineDead as exc:
+        return exc.message
+    if stats.num_running == 0 and time.time() - stats.last_step_time > PROBE_WHEN_IDLE_FOR_S:
+        return await _probe(state, manager, timeout)
+    return None
+
+
+async def _probe(state: ServerState, manager: TokenizerManager, timeout: float) -> str | None:
+    """One greedy token through the whole runtime: proves the worker still computes. Concurrent
+    health checks share one probe."""
+    if state.health_probe is None or state.health_probe.done():
+        state.health_probe = asyncio.ensure_future(_run_probe(state, manager, timeout))
+    return await asyncio.shield(state.health_probe)
+
+
+async def _run_probe(state: ServerState, manager: TokenizerManager, timeout: float) -> str | None:
+    token = state.ready.eos_token_ids[0] if state.ready.eos_token_ids else 0
+    req = GenerateRequest(
+        input_ids=[token], sampling=SamplingParams(max_new_tokens=1, temperature=0.0),
+        rid=f"health-{uuid.uuid4().hex}",
+    )
+
+    async def run() -> None:
+        async for _ in manager.generate(req):
+            pass
+
+    try:
+        await asyncio.wait_for(run(), timeout)
+    except asyncio.TimeoutError:
+        return f"the worker did not complete a one-token request within {timeout:g} s"
+    except Exception as exc:  # noqa: BLE001 - any failure is the answer
+        return f"a one-token probe failed: {exc}"
+    return None
+
+
+@handles_errors
+async def metrics(request: Request) -> Response:
+    state = _state(request)
+    try:
+        stats = await state.get_manager().stats()
+    except (asyncio.TimeoutError, EngineDead):
+        stats = None  # the histograms still answer; the scheduler's numbers are left out
+    return Response(state.metrics.render(stats), media_type=CONTENT_TYPE)
+
+
+@handles_errors
+async def server_info(request: Request) -> Response:
+    state = _state(request)
+    try:
+        stats = await state.get_manager().stats()
+    except (asyncio.TimeoutError, EngineDead):
+        stats = None
+    ready = state.ready
+    pages = None
+    if stats is not None:
+        pages = {"total": stats.total_pages, "free": stats.free_pages, "cached": stats.cached_pages, "in_use": stats.running_pages}
+    return JSONResponse({
+        "version": __version__,
+        "model": {
+            "name": state.model_name, "path": ready.model_path, "dtype": ready.dtype,
+            "device": ready.device, "context_len": ready.context_len, "vocab_size": ready.vocab_size,
+            "page_size": ready.page_size,
+        },
+        "options": state.config.to_dict(),
+        "pages": pages,
+        "requests": None if stats is None else {"running": stats.num_running, "waiting": stats.num_waiting},
+        "pids": {"server": os.getpid(), "scheduler": state.backend.scheduler.pid, "worker": state.backend.worker.pid},
+    })
+
+
+@handles_errors
+async def flush_cache(request: Request) -> Response:
+    done = await _state(request).get_manager().flush_cache()
+    if done.ok:
+        return JSONResponse({"ok": True, "freed_pages": done.freed_pages, "message": "the prefix cache is empty"})
+    message = "requests are running: their cached prefixes are locked and stay; unlocked ones were dropped"
+    return JSONResponse({"ok": False, "freed_pages": done.freed_pages, "message": message}, status_code=409)
+
+
+# ---------------------------------------------------------------------- /generate
+
+
+@handles_errors
+async def generate(request: Request) -> Response:
+    """SGLang's /generate: a result object for one prompt, a list for a batch or n > 1."""
+    state = _state(request)
+    body = await read_json(request, state.config.max_body_bytes)
+    stream = _check_generate_fields(body)
+    fields = {k: body[k] for k in _GENERATE_FIELDS - {"stream"} if body.get(k) is not None}
+    if isinstance(fields.get("rid"), str) and _num_prompts(body) > 1:
+        raise InvalidRequest("`rid` must be a list with one id per prompt for a batch", param="rid")
+    requests, is_batch = build_requests(state.tokenizer, state.ready, state.limits, **fields)
+    state.check_batch(requests)
+    many = is_batch or sum(r.sampling.n for r in requests) > 1
+    if stream:
+        return await _stream_generate(request, state, requests, many)
+    results = await until_disconnect(request, state.collect(requests))
+    if many:
+        return JSONResponse([{**out, "index": pos} for pos, out in enumerate(results)])
+    return JSONResponse(results[0])
+
+
+def _check_generate_fields(body: dict[str, Any]) -> bool:
+    """Reject unknown and unsupported fields and wrongly typed flags; returns `stream`."""
+    for key, value in body.items():
+        if key in _GENERATE_FIELDS or value in (None, False, [], {}, ""):
+            continue
+        if key in _GENERATE_UNSUPPORTED:
+            raise InvalidRequest(f"`{key}` is not supported yet", param=key)
+        raise InvalidRequest(f"unknown field `{key}`; known fields: {', '.join(sorted(_GENERATE_FIELDS))}", param=key)
+    for key in ("stream", "return_text_in_logprobs"):
+        if body.get(key) is not None and type(body[key]) is not bool:
+            raise InvalidRequest(f"`{key}` must be a boolean", param=key)
+    logprob = body.get("return_logprob")
+    flags = logprob if isinstance(logprob, list) else [logprob]
+    if not all(f is None or type(f) is bool for f in flags):
+        raise InvalidRequest("`return_logprob` must be a boolean or a list of booleans", param="return_logprob")
+    return bool(body.get("stream"))
+
+
+def _num_prompts(body: dict[str, Any]) -> int:
+    text, ids = body.get("text"), body.get("input_ids")
+    if isinstance(text, list):
+        return len(text)
+    if isinstance(ids, list) and ids and isinstance(ids[0], list):
+        return len(ids)
+    return 1
+
+
+async def _stream_generate(request: Request, state: ServerState, requests: list[GenerateRequest], many: bool) -> Response:
+    """SSE of cumulative results; waits for the first one so a full queue is still a 503."""
+    results = state.results(requests)
+    first = await until_disconnect(request, anext(results))
+    return SSEResponse(_generate_events(results, first, many))
+
+
+async def _generate_events(
+    results: AsyncIterator[tuple[int, dict[str, Any]]], first: tuple[int, dict[str, Any]], many: bool,
+) -> AsyncIterator[bytes]:
+    def event(pos: int, out: dict[str, Any]) -> bytes:
+        return sse({**out, "index": pos} if many else out)
+
+    async with aclosing(results):
+        try:
+            yield event(*first)
+            async for pos, out in results:
+                yield event(pos, out)
+        except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
+            yield sse(to_http_error(exc).body())
+    yield SSE_DONE
+
+
+# ---------------------------------------------------------------------- /v1/models
+
+
+def _model_card(state: ServerState) -> dict[str, Any]:
+    return {
+        "id": state.model_name, "object": "model", "created": state.created, "owned_by": "radixserve",
+        "root": state.ready.model_path, "max_model_len": state.ready.context_len,
+    }
+
+
+@handles_errors
+async def list_models(request: Request) -> Response:
+    return JSONResponse({"object": "list", "data": [_model_card(_state(request))]})
+
+
+@handles_errors
+async def get_model(request: Request) -> Response:
+    state = _state(request)
+    state.check_model(request.path_params["model"])
+    return JSONResponse(_model_card(state))

@@ -1,0 +1,108 @@
+"""Prometheus metrics of one HTTP server, in a registry of its own (never the global one).
+
+Two sources:
+- the scheduler's counters and gauges (`SchedulerStats`), fetched at scrape time: queue
+  lengths, KV pages, token counters. Token counters, not hit-rate gauges: the reader computes
+  ratios (``rate(cached_prompt_tokens_total) / rate(prompt_tokens_total)``).
+- latency histograms observed in the front as requests finish: time to first token, time per
+  output token after the first, end-to-end latency.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from radixserve.protocol import SchedulerStats
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+PREFIX = "radixserve_"
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+
+# name, help, SchedulerStats field
+_GAUGES = (
+    ("num_running_requests", "Sequences being decoded or prefilled.", "num_running"),
+    ("num_waiting_requests", "Sequences in the waiting queue.", "num_waiting"),
+    ("kv_pages_total", "KV pages in the pool.", "total_pages"),
+    ("kv_pages_free", "KV pages on the free list.", "free_pages"),
+    ("kv_pages_cached", "KV pages held by the prefix cache (radix tree), evictable or locked.", "cached_pages"),
+    ("kv_pages_running", "KV pages held by running requests and not by the prefix cache.", "running_pages"),
+)
+_COUNTERS = (
+    ("prompt_tokens", "Prompt tokens of admitted requests.", "prompt_tokens_total"),
+    ("cached_prompt_tokens", "Prompt tokens found in the prefix cache at admission.", "cached_prompt_tokens_total"),
+    ("generation_tokens", "Tokens generated.", "generation_tokens_total"),
+    ("num_retractions", "Requests retracted (pages freed, resumed later) when the pool ran out.", "num_retractions_total"),
+)
+
+
+class _SchedulerCollector(Collector):
+    """Reports the last `SchedulerStats` the server fetched (fetched right before each scrape)."""
+
+    def __init__(self) -> None:
+        self.stats: SchedulerStats | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.stats
+        if stats is None:
+            return
+        for name, doc, attr in _GAUGES:
+            yield GaugeMetricFamily(PREFIX + name, doc, value=getattr(stats, attr))
+        usage = stats.running_pages / stats.total_pages if stats.total_pages else 0.0
+        yield GaugeMetricFamily(
+            PREFIX + "kv_cache_usage_ratio",
+            "Fraction of KV pages held by running requests (pages held only by the prefix cache "
+            "are reusable and counted in radixserve_kv_pages_cached).",
+            value=usage,
+        )
+        for name, doc, attr in _COUNTERS:
+            yield CounterMetricFamily(PREFIX + name, doc, value=getattr(stats, attr))
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._scheduler = _SchedulerCollector()
+        self.registry.register(self._scheduler)
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds", "Time from arrival to the first output token.",
+            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.tpot = Histogram(
+            PREFIX + "time_per_output_token_seconds",
+            "Mean time per output token after the first, per request: (e2e - ttft) / (tokens - 1).",
+            buckets=_TPOT_BUCKETS, registry=self.registry,
+        )
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds", "Time from arrival to the last output token.",
+            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.finished = Counter(
+            PREFIX + "requests_finished", "Sequences finished, by finish reason (stop, length, abort).",
+            ["finish_reason"], registry=self.registry,
+        )
+
+    def observe_finished(self, meta: dict[str, Any]) -> None:
+        """Record one finished sequence from its `meta_info`."""
+        reason = (meta.get("finish_reason") or {}).get("type", "abort")
+        self.finished.labels(finish_reason=reason).inc()
+        if reason == "abort":
+            return
+        e2e = meta["e2e_latency"]
+        self.e2e.observe(e2e)
+        tokens = meta["completion_tokens"]
+        if tokens >= 1 and "ttft" in meta:
+            self.ttft.observe(meta["ttft"])
+            if tokens >= 2:
+                self.tpot.observe(max(0.0, e2e - meta["ttft"]) / (tokens - 1))
+
+    def render(self, stats: SchedulerStats | None) -> bytes:
+        """The Prometheus text exposition, with `stats` as the scheduler's current numbers."""
+        self._scheduler.stats = stats
+        return generate_latest(self.registry)

@@ -1,0 +1,83 @@
+"""What the HTTP routes share: the server's state, and running a batch of requests through the
+`TokenizerManager` as one stream of results (with latency metrics recorded as they finish)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixserve.config import ServerConfig
+from radixserve.front.http_common import HTTPError, merge
+from radixserve.front.manager import EngineDead, GenerateRequest, TokenizerManager
+from radixserve.front.metrics import ServerMetrics
+from radixserve.front.validation import Limits
+from radixserve.launch import Backend
+from radixserve.protocol import SchedulerReady
+
+
+@dataclass
+class ServerState:
+    """Everything a route needs. `manager` is set once the server's event loop runs."""
+
+    config: ServerConfig
+    backend: Backend
+    ready: SchedulerReady
+    tokenizer: Any
+    limits: Limits = field(default_factory=Limits)
+    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    created: int = field(default_factory=lambda: int(time.time()))
+    manager: TokenizerManager | None = None
+    health_probe: asyncio.Future[str | None] | None = None  # the one-token probe /health runs when idle
+
+    @property
+    def model_name(self) -> str:
+        return self.config.model_name
+
+    def get_manager(self) -> TokenizerManager:
+        if self.manager is None:
+            raise EngineDead("the server is not started yet")
+        return self.manager
+
+    def check_model(self, model: Any) -> None:
+        """OpenAI's `model` field: absent, or the served model's name (else 404, like vLLM)."""
+        if model is None:
+            return
+        if not isinstance(model, str):
+            raise HTTPError(400, "`model` must be a string", param="model")
+        if model != self.model_name:
+            raise HTTPError(
+                404, f"the model `{model}` does not exist; this server serves `{self.model_name}`",
+                param="model", code="model_not_found",
+            )
+
+    def check_batch(self, requests: list[GenerateRequest]) -> None:
+        total = sum(r.sampling.n for r in requests)
+        if total > self.config.max_queued_requests:
+            raise HTTPError(
+                400, f"the request asks for {total} sequences (prompts x n); this server queues at "
+                f"most {self.config.max_queued_requests}",
+            )
+
+    async def results(self, requests: list[GenerateRequest]) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+        """Cumulative results of every sequence as they come, tagged with the sequence's position
+        (prompt-major: prompt i's n samples are consecutive). Closing the stream aborts the rest."""
+        manager = self.get_manager()
+        offsets = list(itertools.accumulate((r.sampling.n for r in requests), initial=0))
+        streams = [manager.generate(r) for r in requests]
+        async with aclosing(merge(streams)) as merged:
+            async for i, out in merged:
+                if out["meta_info"]["finish_reason"] is not None:
+                    self.metrics.observe_finished(out["meta_info"])
+                yield offsets[i] + out.pop("index"), out
+
+    async def collect(self, requests: list[GenerateRequest]) -> list[dict[str, Any]]:
+        """The final result of every sequence, in order."""
+        final: dict[int, dict[str, Any]] = {}
+        async for pos, out in self.results(requests):
+            final[pos] = out
+        return [final[pos] for pos in sorted(final)]

@@ -1,0 +1,131 @@
+"""Starting the real HTTP server as a subprocess on a free loopback port, and reading its answers."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from runtime_helpers import make_tiny_chat_model, pid_alive
+
+from radixserve.models.resolve import resolve_model
+
+HOST = "127.0.0.1"
+# fast, exact settings for the tiny model; tests add their own options after these
+TINY_OPTIONS = ("--dtype", "float32", "--page-size", "4", "--kv-pages", "1024", "--chunk-size", "64")
+
+
+def make_tiny_model_with_chat_template(path: Path) -> Path:
+    """The tiny random Llama with the real tokenizer, and the default model's chat template."""
+    make_tiny_chat_model(path)
+    template = resolve_model("default") / "chat_template.jinja"
+    if template.exists():
+        shutil.copy(template, path / template.name)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`python -m radixserve serve` in a subprocess; its output goes to `log_path`."""
+
+    def __init__(self, model: Path | str, *options: str, log_path: Path, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://{HOST}:{self.port}"
+        self.log_path = log_path
+        cmd = [sys.executable, "-m", "radixserve", "serve", "--model", str(model), "--host", HOST, "--port", str(self.port), *options]
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_healthy(self, timeout: float = 180.0) -> Server:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"the server did not become healthy in {timeout} s:\n{self.log()}")
+
+    def info(self, **headers: str) -> dict[str, Any]:
+        return httpx.get(self.url + "/server_info", headers=headers, timeout=30).json()
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        """Signal the server and wait for it; returns its exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise
+        self._log.close()
+        return self.proc.returncode
+
+    def wait_idle(self, timeout: float = 20.0, **headers: str) -> dict[str, Any]:
+        """Wait until nothing runs or waits; returns /server_info then."""
+        deadline = time.monotonic() + timeout
+        while True:
+            info = self.info(**headers)
+            if info["requests"] == {"running": 0, "waiting": 0}:
+                return info
+            assert time.monotonic() < deadline, f"requests still running: {info}"
+            time.sleep(0.1)
+
+
+def assert_pages_balanced(info: dict[str, Any]) -> None:
+    """Every page is free or cached: nothing left held by a finished or aborted request."""
+    pages = info["pages"]
+    assert pages["in_use"] == 0, pages
+    assert pages["free"] + pages["cached"] == pages["total"], pages
+
+
+def sse_events(lines: list[str]) -> tuple[list[Any], bool]:
+    """The JSON payloads of an SSE body's `data:` lines, and whether it ended with [DONE]."""
+    events, done = [], False
+    for line in lines:
+        if not line.startswith("data: "):
+            continue
+        data = line[len("data: ") :]
+        if data == "[DONE]":
+            done = True
+        else:
+            assert not done, "an event after [DONE]"
+            events.append(json.loads(data))
+    return events, done
+
+
+def wait_gone(pids: list[int], timeout: float = 15.0) -> list[int]:
+    """The pids still alive after waiting up to `timeout`."""
+    deadline = time.monotonic() + timeout
+    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [p for p in pids if pid_alive(p)]
+
+
+def raw_request(port: int, path: str, body: bytes, headers: dict[str, str] | None = None) -> socket.socket:
+    """Send a POST over a raw socket and return the socket, so a test can hang up mid-answer."""
+    sock = socket.create_connection((HOST, port))
+    head = [f"POST {path} HTTP/1.1", f"Host: {HOST}", "Content-Type: application/json", f"Content-Length: {len(body)}"]
+    head += [f"{k}: {v}" for k, v in (headers or {}).items()]
+    sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + body)
+    return sock

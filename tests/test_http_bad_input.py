@@ -1,0 +1,170 @@
+"""Bad input never crashes or hangs the server: each kind gets a 4xx JSON error that says what is
+wrong (OpenAI's error shape on every route), nothing reaches the scheduler, and a good request
+still works afterwards."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import pytest
+from http_helpers import TINY_OPTIONS, Server, make_tiny_model_with_chat_template
+
+BODY_LIMIT = 100_000
+USER = [{"role": "user", "content": "hi"}]
+
+
+def _gen(**fields):
+    return ("POST", "/generate", fields)
+
+
+def _sp(**params):
+    return _gen(text="hi", sampling_params=params)
+
+
+def _cmpl(**fields):
+    return ("POST", "/v1/completions", {"model": "tiny", "prompt": "hi", **fields})
+
+
+def _chat(**fields):
+    return ("POST", "/v1/chat/completions", {"model": "tiny", "messages": USER, **fields})
+
+
+# id -> (method, path, JSON body or raw bytes, expected status, a word the message must contain)
+CASES = {
+    "malformed json": ("POST", "/generate", b'{"text": "hi"', 400, "JSON"),
+    "empty body": ("POST", "/generate", b"", 400, "empty"),
+    "json array body": ("POST", "/generate", b"[1, 2]", 400, "object"),
+    "invalid utf-8": ("POST", "/generate", b'{"text": "\xff\xfe"}', 400, "JSON"),
+    "deeply nested and over the limit": ("POST", "/generate", b"[" * 100_000 + b"]" * 100_000, 413, "exceeds"),
+    "deep but small": ("POST", "/generate", b"[" * 20_000 + b"]" * 20_000, 400, "JSON"),
+    "body over the limit": ("POST", "/generate", json.dumps({"text": "x" * BODY_LIMIT}).encode(), 413, "limit"),
+    "no prompt": (*_gen(sampling_params={}), 400, "text"),
+    "text and input_ids": (*_gen(text="hi", input_ids=[1]), 400, "exactly one"),
+    "text is a number": (*_gen(text=5), 400, "text"),
+    "empty text": (*_gen(text=""), 400, "empty"),
+    "text list with a number": (*_gen(text=["a", 3]), 400, "text"),
+    "out-of-vocabulary id": (*_gen(input_ids=[1, 2, 10**9]), 400, "out of range"),
+    "negative id": (*_gen(input_ids=[1, -2]), 400, "out of range"),
+    "string ids": (*_gen(input_ids=["a", "b"]), 400, "input_ids"),
+    "float ids": (*_gen(input_ids=[1.5]), 400, "input_ids"),
+    "empty ids": (*_gen(input_ids=[]), 400, "input_ids"),
+    "sampling_params not an object": (*_gen(text="hi", sampling_params="hot"), 400, "sampling_params"),
+    "negative max_new_tokens": (*_sp(max_new_tokens=-1), 400, "max_new_tokens"),
+    "huge max_new_tokens": (*_sp(max_new_tokens=10**12), 400, "max_new_tokens"),
+    "string max_new_tokens": (*_sp(max_new_tokens="10"), 400, "max_new_tokens"),
+    "negative temperature": (*_sp(temperature=-1), 400, "temperature"),
+    "string temperature": (*_sp(temperature="hot"), 400, "temperature"),
+    "top_p zero": (*_sp(top_p=0), 400, "top_p"),
+    "top_k below -1": (*_sp(top_k=-5), 400, "top_k"),
+    "n too large": (*_sp(n=1000), 400, "n"),
+    "n zero": (*_sp(n=0), 400, "n"),
+    "too many stop strings": (*_sp(stop=[f"s{i}" for i in range(100)]), 400, "stop"),
+    "empty stop string": (*_sp(stop=[""]), 400, "stop"),
+    "stop is a number": (*_sp(stop=5), 400, "stop"),
+    "out-of-vocabulary stop_token_ids": (*_sp(stop_token_ids=[10**9]), 400, "stop_token_ids"),
+    "negative seed": (*_sp(seed=-1), 400, "seed"),
+    "min above max": (*_sp(max_new_tokens=2, min_new_tokens=5), 400, "min_new_tokens"),
+    "unknown sampling parameter": (*_sp(warmth=3), 400, "warmth"),
+    "constrained decoding": (*_sp(regex="[a-z]+"), 400, "not supported"),
+    "unknown field": (*_gen(text="hi", bogus=1), 400, "bogus"),
+    "unsupported SGLang field": (*_gen(text="hi", image_data="x.png"), 400, "not supported"),
+    "stream not a boolean": (*_gen(text="hi", stream="yes"), 400, "stream"),
+    "return_logprob not a boolean": (*_gen(text="hi", return_logprob="yes"), 400, "return_logprob"),
+    "prompt longer than the context": (*_gen(input_ids=[5] * 3000), 400, "context length"),
+    "prompt plus output over the context": (*_gen(input_ids=[5] * 2000, sampling_params={"max_new_tokens": 100}), 400, "context length"),
+    "logprob_start_len past the prompt": (*_gen(text="hi", return_logprob=True, logprob_start_len=10**6), 400, "logprob_start_len"),
+    "top_logprobs_num too large": (*_gen(text="hi", return_logprob=True, top_logprobs_num=1000), 400, "top_logprobs_num"),
+    "rid not a string": (*_gen(text="hi", rid=5), 400, "rid"),
+    "one rid for a batch": (*_gen(text=["a", "b"], rid="same"), 400, "rid"),
+    "per-prompt params of the wrong length": (*_gen(text=["a", "b"], sampling_params=[{}]), 400, "sampling_params"),
+    "batch larger than the queue": (*_gen(text=["a"] * 10, sampling_params={"n": 10}), 400, "sequences"),
+    # OpenAI routes
+    "completions without prompt": ("POST", "/v1/completions", {"model": "tiny"}, 400, "prompt"),
+    "completions prompt is an object": (*_cmpl(prompt={"a": 1}), 400, "prompt"),
+    "completions mixed prompt list": (*_cmpl(prompt=[1, "a"]), 400, "prompt"),
+    "completions negative max_tokens": (*_cmpl(max_tokens=-5), 400, "max_tokens"),
+    "completions logprobs too large": (*_cmpl(logprobs=100), 400, "logprobs"),
+    "completions logprobs boolean": (*_cmpl(logprobs=True), 400, "logprobs"),
+    "completions unknown model": (*_cmpl(model="gpt-4"), 404, "does not exist"),
+    "completions n too large": (*_cmpl(n=100), 400, "n"),
+    "completions json_schema": (*_cmpl(json_schema="{}"), 400, "not supported"),
+    "completions suffix": (*_cmpl(suffix="end"), 400, "suffix"),
+    "completions best_of": (*_cmpl(best_of=5), 400, "best_of"),
+    "completions logit_bias": (*_cmpl(logit_bias={"1": 5}), 400, "logit_bias"),
+    "completions echo not a boolean": (*_cmpl(echo="yes"), 400, "echo"),
+    "completions stream_options not an object": (*_cmpl(stream=True, stream_options="x"), 400, "stream_options"),
+    "completions model not a string": (*_cmpl(model=5), 400, "model"),
+    "completions temperature string": (*_cmpl(temperature="hot"), 400, "temperature"),
+    "chat without messages": ("POST", "/v1/chat/completions", {"model": "tiny"}, 400, "messages"),
+    "chat messages is a string": (*_chat(messages="hi"), 400, "messages"),
+    "chat bad role": (*_chat(messages=[{"role": "wizard", "content": "hi"}]), 400, "role"),
+    "chat content is a number": (*_chat(messages=[{"role": "user", "content": 5}]), 400, "content"),
+    "chat image part": (*_chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), 400, "text"),
+    "chat top_logprobs without logprobs": (*_chat(top_logprobs=2), 400, "logprobs"),
+    "chat logprobs a string": (*_chat(logprobs="true"), 400, "logprobs"),
+    "chat tools": (*_chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "not supported"),
+    "chat response_format json": (*_chat(response_format={"type": "json_schema", "json_schema": {}}), 400, "not supported"),
+    "chat max_completion_tokens string": (*_chat(max_completion_tokens="many"), 400, "max_completion_tokens"),
+    "chat huge max_tokens": (*_chat(max_tokens=10**9), 400, "max_tokens"),
+    # routes and methods
+    "unknown route": ("POST", "/v2/generate", {}, 404, "no route"),
+    "wrong method": ("GET", "/generate", None, 405, "not allowed"),
+    "wrong method on chat": ("PUT", "/v1/chat/completions", {}, 405, "not allowed"),
+}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    model = make_tiny_model_with_chat_template(tmp_path_factory.mktemp("bad_input_tiny") / "model")
+    srv = Server(
+        model, *TINY_OPTIONS, "--served-model-name", "tiny", "--max-body-bytes", str(BODY_LIMIT),
+        "--max-queued-requests", "64", log_path=tmp_path_factory.mktemp("logs") / "server.log",
+    )
+    try:
+        yield srv.wait_healthy()
+    finally:
+        assert srv.stop() == 0, srv.log()
+
+
+def _send(client: httpx.Client, method: str, path: str, body) -> httpx.Response:
+    if isinstance(body, bytes):
+        return client.request(method, path, content=body, headers={"content-type": "application/json"})
+    if body is None:
+        return client.request(method, path)
+    return client.request(method, path, json=body)
+
+
+def _prompt_tokens_total(client: httpx.Client) -> float:
+    return float(re.search(r"^radixserve_prompt_tokens_total (\S+)$", client.get("/metrics").text, re.M).group(1))
+
+
+def test_every_kind_of_bad_input_gets_a_4xx_with_a_message(server):
+    assert len(CASES) >= 30
+    failures = []
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        before = _prompt_tokens_total(client)
+        for name, (method, path, body, status, word) in CASES.items():
+            r = _send(client, method, path, body)
+            try:
+                error = r.json()["error"]
+                ok = (
+                    r.status_code == status and set(error) == {"message", "type", "param", "code"}
+                    and word.lower() in error["message"].lower() and error["type"] == "invalid_request_error"
+                )
+            except (ValueError, KeyError, TypeError):
+                ok = False
+            if not ok:
+                failures.append(f"{name}: {r.status_code} {r.text[:300]}")
+        assert not failures, "\n".join(failures)
+        assert _prompt_tokens_total(client) == before, "a bad request reached the scheduler"
+        good = client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}})
+        assert good.status_code == 200 and good.json()["meta_info"]["completion_tokens"] == 3
+        assert client.get("/health").status_code == 200
+
+
+def test_bad_input_does_not_crash_the_server(server):
+    assert server.proc.poll() is None
+    log = server.log()
+    assert "Traceback" not in log and "internal error" not in log, log[-3000:]
