@@ -29,4 +29,4 @@ serve: setup
 	$(BIN)/radixserve serve --model default --port $(PORT)
 
 lint: setup
-	$(BIN)/ruff check radixserve frontend_lang tests bench
+	$(BIN)/ruff check radixserve frontend_lang tests bench examples

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -14,22 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from runtime_helpers import make_tiny_chat_model, pid_alive
-
-from radixserve.models.resolve import resolve_model
+from runtime_helpers import pid_alive
 
 HOST = "127.0.0.1"
 # fast, exact settings for the tiny model; tests add their own options after these
 TINY_OPTIONS = ("--dtype", "float32", "--page-size", "4", "--kv-pages", "1024", "--chunk-size", "64")
-
-
-def make_tiny_model_with_chat_template(path: Path) -> Path:
-    """The tiny random Llama with the real tokenizer, and the default model's chat template."""
-    make_tiny_chat_model(path)
-    template = resolve_model("default") / "chat_template.jinja"
-    if template.exists():
-        shutil.copy(template, path / template.name)
-    return path
 
 
 def free_port() -> int:

@@ -9,7 +9,8 @@ import re
 
 import httpx
 import pytest
-from http_helpers import TINY_OPTIONS, Server, make_tiny_model_with_chat_template
+from http_helpers import TINY_OPTIONS, Server
+from runtime_helpers import make_tiny_chat_model
 
 BODY_LIMIT = 100_000
 USER = [{"role": "user", "content": "hi"}]
@@ -117,7 +118,7 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    model = make_tiny_model_with_chat_template(tmp_path_factory.mktemp("bad_input_tiny") / "model")
+    model = make_tiny_chat_model(tmp_path_factory.mktemp("bad_input_tiny") / "model")
     srv = Server(
         model, *TINY_OPTIONS, "--served-model-name", "tiny", "--max-body-bytes", str(BODY_LIMIT),
         "--max-queued-requests", "64", log_path=tmp_path_factory.mktemp("logs") / "server.log",

@@ -10,13 +10,8 @@ import re
 
 import httpx
 import pytest
-from http_helpers import (
-    HOST,
-    TINY_OPTIONS,
-    Server,
-    assert_pages_balanced,
-    make_tiny_model_with_chat_template,
-)
+from http_helpers import HOST, TINY_OPTIONS, Server, assert_pages_balanced
+from runtime_helpers import make_tiny_chat_model
 
 STREAMS = 240
 PLAIN = 60
@@ -30,7 +25,7 @@ TIME_LIMIT_S = 300
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    model = make_tiny_model_with_chat_template(tmp_path_factory.mktemp("load_tiny") / "model")
+    model = make_tiny_chat_model(tmp_path_factory.mktemp("load_tiny") / "model")
     srv = Server(model, *TINY_OPTIONS, "--log-level", "warning", log_path=tmp_path_factory.mktemp("logs") / "server.log")
     try:
         yield srv.wait_healthy()

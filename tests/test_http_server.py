@@ -9,14 +9,8 @@ import time
 
 import httpx
 import pytest
-from http_helpers import (
-    TINY_OPTIONS,
-    Server,
-    assert_pages_balanced,
-    make_tiny_model_with_chat_template,
-    raw_request,
-    sse_events,
-)
+from http_helpers import TINY_OPTIONS, Server, assert_pages_balanced, raw_request, sse_events
+from runtime_helpers import make_tiny_chat_model
 
 from radixserve import Engine
 
@@ -31,7 +25,7 @@ LONG_PROMPT = " ".join(["alpha beta gamma delta epsilon zeta eta theta"] * 6)
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    return make_tiny_model_with_chat_template(tmp_path_factory.mktemp("http_tiny") / "model")
+    return make_tiny_chat_model(tmp_path_factory.mktemp("http_tiny") / "model")
 
 
 @pytest.fixture(scope="module")

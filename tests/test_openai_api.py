@@ -8,7 +8,8 @@ import asyncio
 import httpx
 import openai
 import pytest
-from http_helpers import TINY_OPTIONS, Server, make_tiny_model_with_chat_template
+from http_helpers import TINY_OPTIONS, Server
+from runtime_helpers import make_tiny_chat_model
 
 from radixserve import Engine
 from radixserve.front.tokenizer import apply_chat_template
@@ -20,7 +21,7 @@ SYSTEM = " ".join(["You are a careful assistant who answers briefly and never in
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    return make_tiny_model_with_chat_template(tmp_path_factory.mktemp("openai_tiny") / "model")
+    return make_tiny_chat_model(tmp_path_factory.mktemp("openai_tiny") / "model")
 
 
 @pytest.fixture(scope="module")
