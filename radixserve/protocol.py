@@ -14,7 +14,8 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     temperature 0 means greedy (exact argmax). Penalties follow the usual conventions:
     `repetition_penalty` (multiplicative, over prompt and output tokens, 1.0 = off),
     `frequency_penalty` / `presence_penalty` (additive, over output tokens, 0.0 = off).
-    `top_k` 0 or -1 = off, `top_p` 1.0 = off, `min_p` 0.0 = off.
+    `top_k` 0 or -1 = off, `top_p` 1.0 = off, `min_p` 0.0 = off. `logit_bias` adds its value to
+    the logit of each token id before sampling (greedy included), as OpenAI's `logit_bias` does.
     """
 
     max_new_tokens: int = 128
@@ -34,6 +35,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
+    logit_bias: dict[int, float] = {}
 
     @property
     def is_greedy(self) -> bool:
@@ -45,6 +47,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
             self.repetition_penalty != 1.0
             or self.frequency_penalty != 0.0
             or self.presence_penalty != 0.0
+            or bool(self.logit_bias)
         )
 
 

@@ -6,10 +6,14 @@ import torch
 
 
 class KVPool:
-    """Per layer, K and V of shape [num_pages, page_size, num_kv_heads, head_dim] (FlashInfer's NHD).
+    """Per layer, K and V of shape [num_pages + 1, page_size, num_kv_heads, head_dim] (FlashInfer's NHD).
 
     A token at position `pos` of a request lives in page `pages[pos // page_size]` at offset
     `pos % page_size`; its flat slot is `page * page_size + offset`.
+
+    Pages 0 .. num_pages - 1 are the scheduler's to hand out. One more page, `pad_page`
+    (= num_pages), is never handed out: the padding entries of a CUDA-graph decode batch write
+    their K/V there, so padding never touches a request's data.
     """
 
     def __init__(
@@ -31,7 +35,8 @@ class KVPool:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (num_pages, page_size, num_kv_heads, head_dim)
+        self.pad_page = num_pages
+        shape = (num_pages + 1, page_size, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
 
@@ -44,9 +49,9 @@ class KVPool:
         return 2 * num_layers * page_size * num_kv_heads * head_dim * itemsize
 
     def flat_k(self, layer_id: int) -> torch.Tensor:
-        """K of one layer as [num_pages * page_size, Hkv, D], indexed by flat slot."""
+        """K of one layer as [(num_pages + 1) * page_size, Hkv, D], indexed by flat slot."""
         return self.k[layer_id].view(-1, self.num_kv_heads, self.head_dim)
 
     def flat_v(self, layer_id: int) -> torch.Tensor:
-        """V of one layer as [num_pages * page_size, Hkv, D], indexed by flat slot."""
+        """V of one layer as [(num_pages + 1) * page_size, Hkv, D], indexed by flat slot."""
         return self.v[layer_id].view(-1, self.num_kv_heads, self.head_dim)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.worker.attention.base import AttentionBackend, AttentionBatch
+from radixserve.worker.cuda_graph import DecodeGraphRunner
 from radixserve.worker.page_table import PageTable
 
 
@@ -38,6 +39,15 @@ class ModelRunner:
         self.page_table = page_table
         self.backend = backend
         self.device = backend.pool.device
+        self.graphs: DecodeGraphRunner | None = None  # decode steps replayed from CUDA graphs
+
+    @torch.inference_mode()
+    def capture_decode_graphs(self, sizes: list[int], **graph_options: object) -> None:
+        """Capture decode steps of these batch sizes; later decode steps up to the largest
+        replay them (padded), every other step runs eagerly."""
+        self.graphs = DecodeGraphRunner(
+            self.model, self.backend, sizes, self.page_table.max_pages_per_row, **graph_options
+        )
 
     @torch.inference_mode()
     def forward(self, chunks: list[SequenceChunk]) -> ForwardOutput:
@@ -57,12 +67,15 @@ class ModelRunner:
             prefix_lens=[c.prefix_len for c in chunks],
             extend_lens=[len(c.token_ids) for c in chunks],
         )
-        self.backend.plan(batch)
         input_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.int64, device=self.device)
         positions = torch.cat(
             [torch.arange(c.prefix_len, c.prefix_len + len(c.token_ids)) for c in chunks]
         ).to(self.device)
-        hidden = self.model(input_ids, positions, self.backend)  # [T, hidden]
+        if self.graphs is not None and self.graphs.can_run(batch):
+            hidden = self.graphs.run(batch, input_ids, positions)  # [B, hidden]
+        else:
+            self.backend.plan(batch)
+            hidden = self.model(input_ids, positions, self.backend)  # [T, hidden]
 
         ends = torch.tensor(batch.extend_lens).cumsum(0)
         last_logits = self.model.compute_logits(hidden[(ends - 1).to(self.device)])

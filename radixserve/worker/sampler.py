@@ -78,7 +78,7 @@ class Sampler:
         next_ids = logits.argmax(dim=-1)  # [B]
         sampled_rows = [i for i, g in enumerate(greedy) if not g]
         if sampled_rows:
-            rows = torch.tensor(sampled_rows)
+            rows = torch.tensor(sampled_rows, device=logits.device)
             picked = self._sample_rows(logits[rows], [states[i] for i in sampled_rows])
             next_ids[rows] = picked
         lp = token_logprobs(raw, next_ids, [s.top_logprobs_num for s in states])
@@ -89,11 +89,12 @@ class Sampler:
         if not rows:
             return logits
         logits = logits.clone()
+        device = logits.device
         for i in rows:
             p = states[i].params
-            out = torch.tensor(states[i].output_ids, dtype=torch.int64)
+            out = torch.tensor(states[i].output_ids, dtype=torch.int64, device=device)
             if p.repetition_penalty != 1.0:
-                seen = torch.cat([torch.tensor(states[i].prompt_ids, dtype=torch.int64), out]).unique()
+                seen = torch.cat([torch.tensor(states[i].prompt_ids, dtype=torch.int64, device=device), out]).unique()
                 vals = logits[i, seen]
                 logits[i, seen] = torch.where(
                     vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
@@ -101,14 +102,18 @@ class Sampler:
             if out.numel() and (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0):
                 counts = torch.bincount(out, minlength=self.vocab_size).to(logits.dtype)
                 logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+            if p.logit_bias:
+                ids = torch.tensor(list(p.logit_bias), dtype=torch.int64, device=device)
+                logits[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=device)
         return logits
 
     def _sample_rows(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
         """Temperature, then top-k, top-p and min-p on the sorted distribution, then one draw per row."""
-        temps = torch.tensor([s.params.temperature for s in states], dtype=logits.dtype)
+        device = logits.device
+        temps = torch.tensor([s.params.temperature for s in states], dtype=logits.dtype, device=device)
         probs_sorted, order = torch.sort(torch.softmax(logits / temps[:, None], dim=-1), dim=-1, descending=True)
         keep = torch.ones_like(probs_sorted, dtype=torch.bool)
-        rank = torch.arange(probs_sorted.shape[1])
+        rank = torch.arange(probs_sorted.shape[1], device=device)
         for i, s in enumerate(states):
             p = s.params
             if p.top_k > 0:
@@ -121,10 +126,13 @@ class Sampler:
                 keep[i] &= probs_sorted[i] >= p.min_p * probs_sorted[i, 0]
         keep[:, 0] = True
         probs_sorted = probs_sorted * keep
-        picked = torch.empty(len(states), dtype=torch.int64)
+        picked = torch.empty(len(states), dtype=torch.int64, device=device)
         for i, s in enumerate(states):
             gen = s.generator or self._shared_generator
-            # exponential race: argmax(p / E) with E ~ Exp(1) draws index j with probability p_j
-            noise = torch.empty_like(probs_sorted[i]).exponential_(generator=gen)
+            # exponential race: argmax(p / E) with E ~ Exp(1) draws index j with probability p_j.
+            # The noise comes from the request's CPU generator on every device, so a seed gives
+            # the same draws on CPU and CUDA (a device-side sampler would be faster on CUDA).
+            noise = torch.empty(probs_sorted.shape[1], dtype=probs_sorted.dtype).exponential_(generator=gen)
+            noise = noise.to(device)
             picked[i] = order[i, torch.argmax(probs_sorted[i] / noise)]
         return picked

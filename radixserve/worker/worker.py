@@ -8,28 +8,36 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from radixserve.config import ServerConfig
 from radixserve.protocol import ChunkResult, ForwardBatch, ForwardResult, WorkerReady
-from radixserve.worker.attention.torch_native import TorchNativeBackend
+from radixserve.worker.attention import create_backend
+from radixserve.worker.cuda_graph import graph_batch_sizes
 from radixserve.worker.device import dtype_name, resolve_device, resolve_dtype
 from radixserve.worker.kv_pool import KVPool
 from radixserve.worker.model_runner import ModelRunner, SequenceChunk
 from radixserve.worker.page_table import PageTable
 from radixserve.worker.sampler import Sampler, SamplingState, token_logprobs
 
+if TYPE_CHECKING:
+    from radixserve.models.loader import LoadedModel
+
 log = logging.getLogger("radixserve.worker")
 
 
 class Worker:
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, loaded: LoadedModel | None = None) -> None:
+        """`loaded`: an already built model (benchmarks with random weights) instead of
+        loading `config.model`; it must be in the dtype and on the device `config` resolves to."""
         from radixserve.models.loader import load_model  # heavy import, only in the worker
 
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        loaded = load_model(config.model, dtype=self.dtype, device=self.device)
+        if loaded is None:
+            loaded = load_model(config.model, dtype=self.dtype, device=self.device)
         self.model_path = str(loaded.path)
         mc = loaded.config
         self.vocab_size = mc.vocab_size
@@ -48,14 +56,18 @@ class Worker:
         self.page_table = PageTable(
             config.max_running_requests, -(-self.context_len // config.page_size), self.device
         )
-        self.runner = ModelRunner(loaded.model, self.page_table, TorchNativeBackend(self.pool, shape))
+        backend = create_backend(config.attention_backend, self.pool, shape, self.device)
+        self.runner = ModelRunner(loaded.model, self.page_table, backend)
+        if self.device.type == "cuda" and backend.supports_cuda_graph and not config.disable_cuda_graph:
+            self.runner.capture_decode_graphs(graph_batch_sizes(config.max_running_requests))
         self.sampler = Sampler(self.vocab_size)
         self.sampler.seed(config.seed)
         self.states: dict[str, SamplingState] = {}
         log.info(
-            "worker ready: model %s, %s on %s, KV pool %d pages x %d tokens (%.2f GiB)",
-            self.model_path, dtype_name(self.dtype), self.device, num_pages, config.page_size,
-            num_pages * page_bytes / 2**30,
+            "worker ready: model %s, %s on %s, %s attention%s, KV pool %d pages x %d tokens (%.2f GiB)",
+            self.model_path, dtype_name(self.dtype), self.device, type(backend).__name__,
+            ", decode CUDA graphs" if self.runner.graphs is not None else "",
+            num_pages, config.page_size, num_pages * page_bytes / 2**30,
         )
 
     def ready_message(self) -> WorkerReady:

@@ -66,11 +66,26 @@ class AttentionBatch:
 
 
 class AttentionBackend(ABC):
-    """Paged attention over a `KVPool`. One instance per worker, reused for every forward."""
+    """Paged attention over a `KVPool`. One instance per worker, reused for every forward.
+
+    A backend whose `forward` can be captured in a CUDA graph sets `supports_cuda_graph` and
+    implements the two graph methods (see radixserve/worker/cuda_graph.py).
+    """
+
+    supports_cuda_graph = False
 
     def __init__(self, pool: KVPool, shape: AttentionShape) -> None:
         self.pool = pool
         self.shape = shape
+
+    def init_graph_decode(self, batch_sizes: list[int], max_pages_per_request: int) -> None:
+        """Allocate the fixed buffers that decode graphs of these batch sizes read."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be captured in a CUDA graph")
+
+    def plan_graph_decode(self, batch: AttentionBatch) -> None:
+        """Like `plan`, for a decode batch of exactly one of the `init_graph_decode` sizes: write
+        its indices into the fixed buffers, so a captured `forward` reads them on replay."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be captured in a CUDA graph")
 
     @abstractmethod
     def plan(self, batch: AttentionBatch) -> None:
