@@ -93,7 +93,7 @@ CASES = {
     "completions json_schema": (*_cmpl(json_schema="{}"), 400, "not supported"),
     "completions suffix": (*_cmpl(suffix="end"), 400, "suffix"),
     "completions best_of": (*_cmpl(best_of=5), 400, "best_of"),
-    "completions logit_bias": (*_cmpl(logit_bias={"1": 5}), 400, "logit_bias"),
+    "completions logit_bias out of range": (*_cmpl(logit_bias={"1": 500}), 400, "logit_bias"),
     "completions echo not a boolean": (*_cmpl(echo="yes"), 400, "echo"),
     "completions stream_options not an object": (*_cmpl(stream=True, stream_options="x"), 400, "stream_options"),
     "completions model not a string": (*_cmpl(model=5), 400, "model"),

@@ -90,6 +90,25 @@ def test_frequency_and_presence_penalties_count_output_tokens():
     assert Sampler(V).sample(logits, [state]).token_ids == [2]
 
 
+def test_logit_bias_moves_greedy_and_sampling_but_not_reported_logprobs():
+    logits = _logits(5, rows=3)
+    worst = int(logits[0].argmin())
+    best = int(logits[1].argmax())
+    states = [
+        _state(temperature=0.0, logit_bias={worst: 100.0}),  # the least likely token becomes the choice
+        _state(temperature=0.0, logit_bias={best: -100.0}),  # the best one is banned
+        _state(temperature=0.0),  # an unbiased neighbour stays exact
+    ]
+    out = Sampler(V).sample(logits, states)
+    assert out.token_ids[0] == worst
+    assert out.token_ids[1] == int(logits[1].topk(2).indices[1])
+    assert out.token_ids[2] == int(logits[2].argmax())
+    expected = torch.log_softmax(logits[0], -1)[worst].item()
+    assert math.isclose(out.logprobs.logprobs[0], expected, rel_tol=1e-6)  # the model's own distribution
+    sampled = Sampler(V).sample(logits[:1], [_state(temperature=1.0, seed=3, logit_bias={worst: 100.0})])
+    assert sampled.token_ids == [worst]
+
+
 def test_token_logprobs_with_top_alternatives():
     logits = _logits(4, rows=2)
     lp = token_logprobs(logits, torch.tensor([0, 5]), [3, 0])

@@ -56,11 +56,29 @@ def test_every_parameter() -> None:
         "skip_special_tokens": False,
         "spaces_between_special_tokens": False,
         "no_stop_trim": True,
+        "logit_bias": {5: 1.5, 999: -100.0},
     }
     sp = parse(raw)
     assert msgspec.structs.asdict(sp) == raw
     # what the front builds is what travels: it survives the msgpack round trip unchanged
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(sp), type=SamplingParams) == sp
+
+
+def test_sglang_client_keys() -> None:
+    """What SGLang's RuntimeEndpoint sends: null constraints, an empty stop_regex list, and
+    stream_interval / sampling_seed."""
+    sp = parse({"stop_regex": [], "regex": None, "json_schema": None, "stream_interval": 2, "sampling_seed": 7})
+    assert sp.seed == 7
+    assert parse({"logit_bias": {"5": 2, 7: -1.5}}).logit_bias == {5: 2.0, 7: -1.5}
+    for bad, param in [
+        ({"stop_regex": ["a+"]}, "stop_regex"), ({"beam_width": 2}, "beam_width"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"), ({"logit_bias": {str(VOCAB): 1}}, "logit_bias"),
+        ({"logit_bias": {"1": 101}}, "logit_bias"), ({"logit_bias": [1]}, "logit_bias"),
+        ({"seed": 1, "sampling_seed": 2}, "sampling_seed"), ({"stream_interval": "x"}, "stream_interval"),
+    ]:
+        with pytest.raises(InvalidRequest) as err:
+            parse(bad)
+        assert err.value.param == param
 
 
 def test_normalisations() -> None:

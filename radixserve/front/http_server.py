@@ -6,8 +6,14 @@ parse, call the front library, shape the answer.
 
     GET  /health           200 only when the scheduler and worker answer (no API key needed)
     GET  /metrics          Prometheus text
+    GET  /health_generate  the same check (SGLang's name for it; needs the API key)
     GET  /server_info      options, model, KV pages (total, free, cached, in use), pids
-    POST /flush_cache      drop every unlocked cached prefix
+                           (also /get_server_info, SGLang's older name)
+    GET  /model_info       SGLang's model card: model_path, tokenizer_path, is_generation
+                           (also /get_model_info)
+    POST /flush_cache      drop every unlocked cached prefix (GET too, as SGLang allows;
+                           /reset_prefix_cache is vLLM's name for it)
+    POST /abort_request    abort a request by `rid` (or every one with `abort_all`)
     POST /generate         SGLang's native API (text or input_ids, one or a batch; SSE streaming)
     GET  /v1/models        the one served model
     POST /v1/completions, /v1/chat/completions   see openai_api.py
@@ -76,9 +82,15 @@ def create_app(config: ServerConfig, backend: Backend, ready: SchedulerReady, to
     state = ServerState(config=config, backend=backend, ready=ready, tokenizer=tokenizer)
     routes = [
         Route("/health", health, methods=["GET"]),
+        Route("/health_generate", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/server_info", server_info, methods=["GET"]),
+        Route("/get_server_info", server_info, methods=["GET"]),
+        Route("/model_info", model_info, methods=["GET"]),
+        Route("/get_model_info", model_info, methods=["GET"]),
         Route("/flush_cache", flush_cache, methods=["GET", "POST"]),
+        Route("/reset_prefix_cache", flush_cache, methods=["POST"]),
+        Route("/abort_request", abort_request, methods=["POST"]),
         Route("/generate", generate, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),
@@ -128,7 +140,8 @@ def _state(request: Request) -> ServerState:
 
 class APIKeyMiddleware:
     """`Authorization: Bearer <key>` on every route except /health, compared in constant time
-    (digests of equal length, so not even the key's length leaks)."""
+    (digests of equal length, so not even the key's length leaks). /health_generate, which
+    may run a one-token request, needs the key."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
@@ -244,6 +257,35 @@ async def server_info(request: Request) -> Response:
         "requests": None if stats is None else {"running": stats.num_running, "waiting": stats.num_waiting},
         "pids": {"server": os.getpid(), "scheduler": state.backend.scheduler.pid, "worker": state.backend.worker.pid},
     })
+
+
+@handles_errors
+async def model_info(request: Request) -> Response:
+    """SGLang's `/model_info`: what `sgl.RuntimeEndpoint` and `bench_serving` read."""
+    state = _state(request)
+    return JSONResponse({
+        "model_path": state.ready.model_path, "tokenizer_path": state.ready.model_path,
+        "served_model_name": state.model_name, "is_generation": True,
+        "preferred_sampling_params": None, "weight_version": "default",
+    })
+
+
+@handles_errors
+async def abort_request(request: Request) -> Response:
+    """SGLang's `/abort_request`: `{"rid": ...}` or `{"abort_all": true}`. The aborted
+    requests finish with `finish_reason.type == "abort"`; an unknown rid is not an error."""
+    state = _state(request)
+    body = await read_json(request, state.config.max_body_bytes)
+    rid, abort_all = body.get("rid"), body.get("abort_all", False)
+    if type(abort_all) is not bool:
+        raise InvalidRequest("`abort_all` must be a boolean", param="abort_all")
+    if not abort_all and (not isinstance(rid, str) or not rid):
+        raise InvalidRequest("give `rid` (a request id) or `abort_all: true`", param="rid")
+    manager = state.get_manager()
+    rids = manager.live_rids() if abort_all else [rid]
+    for r in rids:
+        manager.abort(r)
+    return JSONResponse({"aborted": len(rids)})
 
 
 @handles_errors

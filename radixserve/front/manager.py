@@ -158,6 +158,10 @@ class TokenizerManager:
     async def flush_cache(self, timeout: float = 30.0) -> FlushCacheDone:
         return await self._ask(FlushCache, timeout)
 
+    def live_rids(self) -> list[str]:
+        """The ids of every request this front is waiting on."""
+        return list(self._queues)
+
     def abort(self, rid: str) -> None:
         if not self._dead:
             self._send(AbortRequest(rid))

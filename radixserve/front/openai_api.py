@@ -7,7 +7,8 @@ messages are shared), then results are shaped as OpenAI's objects: ids `cmpl-...
 
 Accepted beyond OpenAI's fields (vLLM/SGLang extensions): top_k, min_p, repetition_penalty,
 stop_token_ids, ignore_eos, skip_special_tokens, spaces_between_special_tokens, no_stop_trim,
-min_tokens, cache_salt, add_generation_prompt (chat). Unknown top-level fields are ignored as
+min_tokens, cache_salt, add_generation_prompt (chat). `logit_bias` really biases sampling
+(greedy included). Unknown top-level fields are ignored as
 OpenAI does; known fields with a wrong type, and constrained decoding, are 400s.
 """
 
@@ -49,6 +50,7 @@ _SAMPLING_KEYS = {
     "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos",
     "skip_special_tokens": "skip_special_tokens", "no_stop_trim": "no_stop_trim",
     "spaces_between_special_tokens": "spaces_between_special_tokens", "min_tokens": "min_new_tokens",
+    "logit_bias": "logit_bias",
 }
 _CONSTRAINED = (
     "json_schema", "regex", "ebnf", "guided_json", "guided_regex", "guided_choice",
@@ -183,8 +185,6 @@ def _reject_unsupported(body: dict[str, Any]) -> None:
     fmt = body.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
         raise InvalidRequest("`response_format` other than {\"type\": \"text\"} is not supported yet", param="response_format")
-    if body.get("logit_bias"):
-        raise InvalidRequest("`logit_bias` is not supported yet", param="logit_bias")
     best_of = body.get("best_of")
     if best_of is not None and best_of != (body.get("n") or 1):
         raise InvalidRequest("`best_of` other than `n` is not supported yet", param="best_of")

@@ -18,7 +18,17 @@ from radixserve.protocol import SamplingParams
 MAX_SEED = 2**63 - 1
 _DEFAULTS = SamplingParams()
 _KNOWN = frozenset(SamplingParams.__struct_fields__)
-_UNSUPPORTED = ("json_schema", "regex", "ebnf")  # constrained decoding
+# SGLang sampling keys we cannot honour yet: accepted only when null
+_UNSUPPORTED = {
+    "json_schema": "constrained decoding", "regex": "constrained decoding",
+    "ebnf": "constrained decoding", "structural_tag": "constrained decoding",
+    "stop_regex": "stop regexes", "beam_width": "beam search",
+    "custom_params": "custom logit processors", "watermark": "watermarking",
+}
+# SGLang sampling keys that change nothing here: streaming already sends every step
+_ACCEPTED_NO_EFFECT = frozenset({"stream_interval"})
+MAX_LOGIT_BIAS = 1024  # entries; OpenAI documents no cap, vLLM none either
+
 _JSON_TYPES = {
     bool: "boolean",
     int: "integer",
@@ -90,6 +100,8 @@ def parse_sampling_params(
         out["n"] = _check_range("n", _int(given, "n"), 1, limits.max_n)
     if "seed" in given:
         out["seed"] = _check_range("seed", _int(given, "seed"), 0, MAX_SEED)
+    if "logit_bias" in given:
+        out["logit_bias"] = _logit_bias(given["logit_bias"], vocab_size)
     if "stop" in given:
         out["stop"] = _stop_strings(given["stop"], limits)
     if "stop_token_ids" in given:
@@ -112,11 +124,19 @@ def _known_keys(raw: Any) -> dict[str, Any]:
         )
     for key, value in raw.items():
         if key in _UNSUPPORTED:
-            if value is not None:
-                raise InvalidRequest(f"{key} (constrained decoding) is not supported yet", key)
-        elif key not in _KNOWN:
+            if value is not None and value != []:  # SGLang's client sends stop_regex: []
+                raise InvalidRequest(f"{key} ({_UNSUPPORTED[key]}) is not supported yet", key)
+        elif key in _ACCEPTED_NO_EFFECT:
+            if value is not None and type(value) is not int:
+                raise InvalidRequest(f"{key} must be an integer, got {_json_type(value)}", key)
+        elif key not in _KNOWN and key != "sampling_seed":
             raise InvalidRequest(f"unknown sampling parameter {key!r}", str(key))
-    return {k: v for k, v in raw.items() if v is not None and k in _KNOWN}
+    given = {k: v for k, v in raw.items() if v is not None and k in _KNOWN}
+    if raw.get("sampling_seed") is not None:  # SGLang's name for the per-request seed
+        if "seed" in given and given["seed"] != raw["sampling_seed"]:
+            raise InvalidRequest("seed and sampling_seed disagree; give one", "sampling_seed")
+        given["seed"] = raw["sampling_seed"]
+    return given
 
 
 def _lengths(given: Mapping[str, Any], limits: Limits) -> dict[str, Any]:
@@ -218,6 +238,23 @@ def _stop_strings(value: Any, limits: Limits) -> list[str]:
                 "stop",
             )
     return list(stops)
+
+
+def _logit_bias(value: Any, vocab_size: int) -> dict[int, float]:
+    """`{token id: bias}` with ids as JSON object keys (strings) or ints; bias in [-100, 100]."""
+    if not isinstance(value, Mapping):
+        raise InvalidRequest(f"logit_bias must be an object, got {_json_type(value)}", "logit_bias")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise InvalidRequest(f"logit_bias has {len(value)} entries; at most {MAX_LOGIT_BIAS} are allowed", "logit_bias")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        token = key if type(key) is int else int(key) if isinstance(key, str) and key.strip().lstrip("-").isdigit() else None
+        if token is None or not 0 <= token < vocab_size:
+            raise InvalidRequest(f"logit_bias key {key!r} is not a token id in [0, {vocab_size})", "logit_bias")
+        if type(bias) not in (int, float) or not math.isfinite(bias) or not -100 <= bias <= 100:
+            raise InvalidRequest(f"logit_bias[{key!r}] must be a number between -100 and 100, got {bias!r}", "logit_bias")
+        out[token] = float(bias)
+    return out
 
 
 def _token_ids(ids: Any, vocab_size: int, key: str) -> list[int]:

@@ -1,0 +1,235 @@
+"""Contract tests: SGLang's native wire format, as SGLang's own clients parse it.
+
+The payloads below are what `sglang.lang.backend.runtime_endpoint.RuntimeEndpoint` and
+`sglang.benchmark.serving` (the `--backend sglang` request function) send, copied from SGLang
+0.5.x, and the assertions are what those clients read back. See docs/compatibility.md.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import pytest
+from http_helpers import TINY_OPTIONS, Server, sse_events
+from runtime_helpers import make_tiny_chat_model
+
+PROMPT = "The quick brown fox jumps over the lazy dog"
+GREEDY = {"temperature": 0.0}
+
+# RuntimeEndpoint.generate: global_config's two flags, then SglSamplingParams.to_srt_kwargs()
+RUNTIME_ENDPOINT_SAMPLING = {
+    "skip_special_tokens": True, "spaces_between_special_tokens": True,
+    "max_new_tokens": 8, "min_new_tokens": 0, "n": 1, "stop": [], "stop_token_ids": [],
+    "stop_regex": [], "temperature": 0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+    "frequency_penalty": 0.0, "presence_penalty": 0.0, "ignore_eos": False,
+    "regex": None, "json_schema": None,
+}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tiny = make_tiny_chat_model(tmp_path_factory.mktemp("compat_sglang") / "model")
+    srv = Server(tiny, *TINY_OPTIONS, log_path=tmp_path_factory.mktemp("logs") / "server.log")
+    try:
+        yield srv.wait_healthy()
+    finally:
+        assert srv.stop() == 0, srv.log()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+def _generate(client: httpx.Client, **body) -> dict | list:
+    r = client.post("/generate", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _stream(client: httpx.Client, **body) -> tuple[list[dict], bool, list[str]]:
+    with client.stream("POST", "/generate", json={**body, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = list(r.iter_lines())
+    events, done = sse_events(lines)
+    return events, done, lines
+
+
+def test_runtime_endpoint_payloads_are_accepted(client):
+    """Exactly what RuntimeEndpoint sends for gen, cache_prefix and select."""
+    out = _generate(client, text=PROMPT, sampling_params=RUNTIME_ENDPOINT_SAMPLING)
+    assert isinstance(out["text"], str) and out["meta_info"]["completion_tokens"] <= 8
+    cached = _generate(client, text=PROMPT, sampling_params={"max_new_tokens": 0})
+    assert cached["text"] == "" and cached["meta_info"]["prompt_tokens"] > 0
+    start = max(cached["meta_info"]["prompt_tokens"] - 2, 0)
+    scored = _generate(
+        client, text=[PROMPT + c for c in (" yes", " no")],
+        sampling_params={"max_new_tokens": 0, "temperature": 0},
+        return_logprob=True, return_text_in_logprobs=True, logprob_start_len=start,
+    )
+    assert isinstance(scored, list) and len(scored) == 2
+    for r in scored:
+        entries = r["meta_info"]["input_token_logprobs"]
+        assert len(entries) == r["meta_info"]["prompt_tokens"] - start
+        assert isinstance(entries[0][-1], str)  # select() reads the healed token's text
+        assert r["meta_info"]["output_token_logprobs"] == []
+    ids = [[e[1] for e in r["meta_info"]["input_token_logprobs"]] for r in scored]
+    # as in SGLang, logprob_start_len absent (-1) means output logprobs only; 0 means all
+    uncond = _generate(client, input_ids=ids, sampling_params={"max_new_tokens": 0}, return_logprob=True)
+    assert [r["meta_info"]["input_token_logprobs"] for r in uncond] == [[], []]
+    uncond = _generate(client, input_ids=ids, sampling_params={"max_new_tokens": 0}, return_logprob=True, logprob_start_len=0)
+    assert [len(r["meta_info"]["input_token_logprobs"]) for r in uncond] == [len(i) for i in ids]
+
+
+def test_bench_serving_payload_is_accepted(client):
+    """sglang.benchmark.serving's async_request_sglang_generate body, streaming."""
+    body = {
+        "text": PROMPT, "sampling_params": {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True},
+        "lora_path": None, "return_logprob": False, "return_routed_experts": False, "logprob_start_len": -1,
+    }
+    events, done, _ = _stream(client, **body)
+    assert done and events[-1]["meta_info"]["completion_tokens"] == 6
+    assert events[-1]["meta_info"]["prompt_tokens"] > 0
+
+
+def test_streaming_text_is_cumulative_with_meta_info_and_done(client):
+    full = _generate(client, text=PROMPT, sampling_params={**GREEDY, "max_new_tokens": 12, "ignore_eos": True})
+    events, done, lines = _stream(client, text=PROMPT, sampling_params={**GREEDY, "max_new_tokens": 12, "ignore_eos": True})
+    assert done and [line for line in lines if line][-1] == "data: [DONE]"
+    assert all(line.startswith("data: ") for line in lines if line)
+    texts = [e["text"] for e in events]
+    assert all(texts[i + 1].startswith(texts[i]) for i in range(len(texts) - 1))  # whole text so far
+    assert texts[-1] == full["text"]
+    assert all("meta_info" in e and e["meta_info"]["id"] == events[0]["meta_info"]["id"] for e in events)
+    counts = [e["meta_info"]["completion_tokens"] for e in events]
+    assert counts == sorted(counts) and counts[-1] == 12
+    assert [e["meta_info"]["finish_reason"] for e in events][-1]["type"] == "length"
+    assert all(e["meta_info"]["finish_reason"] is None for e in events[:-1])
+    # RuntimeEndpoint.generate_stream slices off what it already has
+    pos, pieces = 0, []
+    for e in events:
+        pieces.append(e["text"][pos:])
+        pos += len(pieces[-1])
+    assert "".join(pieces) == full["text"]
+
+
+def test_batches_return_lists_in_order_with_per_prompt_params(client):
+    prompts = [PROMPT, "Seven wizards", "A"]
+    singles = [_generate(client, text=p, sampling_params={**GREEDY, "max_new_tokens": n}) for p, n in zip(prompts, (3, 4, 5))]
+    batch = _generate(client, text=prompts, sampling_params=[{**GREEDY, "max_new_tokens": n} for n in (3, 4, 5)])
+    assert [b["text"] for b in batch] == [s["text"] for s in singles]
+    assert [b["index"] for b in batch] == [0, 1, 2]
+    one_dict = _generate(client, text=prompts, sampling_params={**GREEDY, "max_new_tokens": 2})
+    assert len(one_dict) == 3 and all(b["meta_info"]["completion_tokens"] <= 2 for b in one_dict)
+    ids = [s["meta_info"]["prompt_tokens"] for s in singles]
+    assert ids == [b["meta_info"]["prompt_tokens"] for b in batch]
+
+
+def test_logprob_triples(client):
+    body = dict(text=PROMPT, sampling_params={**GREEDY, "max_new_tokens": 3}, return_logprob=True, logprob_start_len=0)
+    plain = _generate(client, **body)["meta_info"]
+    prompt_len = plain["prompt_tokens"]
+    assert len(plain["input_token_logprobs"]) == prompt_len
+    assert plain["input_token_logprobs"][0][0] is None  # the first prompt token has no logprob
+    for lp, tid, text in plain["input_token_logprobs"][1:] + plain["output_token_logprobs"]:
+        assert isinstance(lp, float) and lp <= 0 and isinstance(tid, int) and text is None
+    assert "input_top_logprobs" not in plain and "output_top_logprobs" not in plain
+
+    texts = _generate(client, **body, return_text_in_logprobs=True, top_logprobs_num=2)
+    meta = texts["meta_info"]
+    assert "".join(t for _, _, t in meta["output_token_logprobs"]) == texts["text"]
+    assert [e[1] for e in meta["output_token_logprobs"]] == texts["output_ids"]
+    assert len(meta["output_top_logprobs"]) == 3 and len(meta["input_top_logprobs"]) == prompt_len
+    for chosen, top in zip(meta["output_token_logprobs"], meta["output_top_logprobs"]):
+        assert len(top) == 2 and all(len(t) == 3 and isinstance(t[2], str) for t in top)
+        assert top[0][1] == chosen[1]  # greedy: the best alternative is the chosen token
+
+    later = _generate(client, **{**body, "logprob_start_len": prompt_len - 3})["meta_info"]
+    assert [e[1] for e in later["input_token_logprobs"]] == [e[1] for e in plain["input_token_logprobs"][-3:]]
+    assert all(abs(a[0] - b[0]) < 1e-4 for a, b in zip(later["input_token_logprobs"], plain["input_token_logprobs"][-3:]))
+
+
+def test_max_new_tokens_zero_returns_prompt_logprobs_only(client):
+    out = _generate(client, text=PROMPT, sampling_params={"max_new_tokens": 0}, return_logprob=True, logprob_start_len=0)
+    meta = out["meta_info"]
+    assert out["text"] == "" and out["output_ids"] == [] and meta["completion_tokens"] == 0
+    assert meta["output_token_logprobs"] == [] and len(meta["input_token_logprobs"]) == meta["prompt_tokens"]
+    assert meta["finish_reason"]["type"] == "length"
+
+
+def test_sglang_sampling_keys_are_accepted(client):
+    base = _generate(client, text=PROMPT, sampling_params={**GREEDY, "max_new_tokens": 8, "ignore_eos": True})
+    out = _generate(client, text=PROMPT, sampling_params={
+        **GREEDY, "max_new_tokens": 8, "min_new_tokens": 2, "ignore_eos": True, "skip_special_tokens": False,
+        "spaces_between_special_tokens": False, "no_stop_trim": True, "stop_token_ids": [base["output_ids"][5]],
+        "stream_interval": 1, "sampling_seed": 3,
+    })
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": base["output_ids"][5]}
+    assert out["output_ids"] == base["output_ids"][:6]
+
+
+@pytest.mark.parametrize("key,value", [
+    ("json_schema", json.dumps({"type": "object"})), ("regex", "[0-9]+"), ("ebnf", "root ::= 'a'"),
+    ("stop_regex", ["a+"]), ("structural_tag", "{}"),
+])
+def test_constrained_decoding_is_a_clear_400(client, key, value):
+    r = client.post("/generate", json={"text": PROMPT, "sampling_params": {key: value}})
+    assert r.status_code == 400 and "not supported yet" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == key
+
+
+def test_logit_bias_really_biases_greedy(client):
+    base = _generate(client, text=PROMPT, sampling_params={**GREEDY, "max_new_tokens": 4, "ignore_eos": True})
+    target = next(t for t in range(100, 200) if t not in base["output_ids"])
+    out = _generate(client, text=PROMPT, sampling_params={
+        **GREEDY, "max_new_tokens": 4, "ignore_eos": True, "logit_bias": {str(target): 100.0},
+    })
+    assert out["output_ids"] == [target] * 4
+    banned = _generate(client, text=PROMPT, sampling_params={
+        **GREEDY, "max_new_tokens": 4, "ignore_eos": True, "logit_bias": {str(base["output_ids"][0]): -100},
+    })
+    assert banned["output_ids"][0] != base["output_ids"][0]
+    r = client.post("/generate", json={"text": PROMPT, "sampling_params": {"logit_bias": {"x": 1}}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
+
+
+def test_model_and_server_info_routes(client, server):
+    for path in ("/get_model_info", "/model_info"):
+        info = client.get(path).json()
+        assert info["is_generation"] is True and info["model_path"] and info["tokenizer_path"]
+    for path in ("/get_server_info", "/server_info"):
+        info = client.get(path).json()
+        assert info["model"]["context_len"] > 0 and "pages" in info
+    assert client.get("/health_generate").status_code == 200
+    assert client.post("/flush_cache").status_code in (200, 409)
+    assert client.get("/flush_cache").status_code in (200, 409)
+
+
+def test_abort_request_by_rid(server, client):
+    rid = "compat-abort-me"
+    most = client.get("/server_info").json()["model"]["context_len"] - 64
+    body = {"text": PROMPT, "rid": rid, "stream": True, "sampling_params": {**GREEDY, "max_new_tokens": most, "ignore_eos": True}}
+    events: list[dict] = []
+    first = threading.Event()
+
+    def read() -> None:
+        with httpx.stream("POST", server.url + "/generate", json=body, timeout=120) as r:
+            assert r.status_code == 200, r.read()
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    events.append(json.loads(line[6:]))
+                    first.set()
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert first.wait(60)
+    r = client.post("/abort_request", json={"rid": rid})
+    assert r.status_code == 200
+    reader.join(60)
+    assert not reader.is_alive()
+    assert events[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert events[-1]["meta_info"]["completion_tokens"] < most
+    assert client.post("/abort_request", json={}).status_code == 400
