@@ -28,5 +28,10 @@ test: setup
 serve: setup
 	$(BIN)/radixserve serve --model default --port $(PORT)
 
+# The serving benchmark's default suite (bench/suite.py): every workload on radixserve with the
+# prefix cache on and off plus the transformers baselines; results and report in bench/results/.
+bench: setup
+	$(BIN)/python -m bench.suite --out-dir bench/results
+
 lint: setup
 	$(BIN)/ruff check radixserve frontend_lang tests bench examples
