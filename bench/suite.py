@@ -1,0 +1,193 @@
+"""The default serving suite (`make bench`): every workload on radixserve with the prefix cache
+on and off, and the Hugging Face transformers baselines, in one run, on one model and dtype;
+then the report (Markdown table, targets, PNG plots) under bench/results/.
+
+    python -m bench.suite                                  # the default suite (~15 min on 2 CPU cores)
+    python -m bench.suite --workload rag --size docs=2     # a part of it
+    python -m bench.suite --model /path/to/hf-folder --dtype float32 --quick   # a smoke run
+
+Each radixserve system is one server process (started, warmed up, stopped after its workloads);
+its prefix cache is flushed before every workload so no workload helps the next. The transformers
+baselines run in this process once the servers are gone, so nothing else competes for the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import platform
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.serving import (
+    RunResult,
+    flush_cache,
+    launch_server,
+    load_tokenizer,
+    markdown_table,
+    parse_sizes,
+    run_workload,
+    write_results,
+)
+from bench.workloads import WORKLOADS, Workload, build
+
+# Sized so the whole suite fits ~15 minutes on 2 CPU cores with SmolLM2-135M in bf16.
+DEFAULT_SIZES: dict[str, dict[str, int]] = {
+    "rag": dict(docs=4, doc_tokens=1500, questions=12, max_tokens=16),
+    "chat": dict(conversations=8, turns=8, first_tokens=600, turn_tokens=40, max_tokens=12),
+    "fewshot": dict(examples=8, example_tokens=120, questions=32, question_tokens=30, max_tokens=16),
+    "agent": dict(agents=8, steps=5, tools=6, tool_tokens=80, observation_tokens=60, max_tokens=24),
+    "agent_fork": dict(problems=6, context_tokens=300, branches=4, max_tokens=16),
+    "unique": dict(requests=32, prompt_tokens=400, max_tokens=16),
+}
+# A smoke-test size for every workload (a handful of requests each).
+QUICK_SIZES: dict[str, dict[str, int]] = {
+    "rag": dict(docs=2, doc_tokens=120, questions=3, max_tokens=4),
+    "chat": dict(conversations=2, turns=2, first_tokens=60, turn_tokens=10, max_tokens=4),
+    "fewshot": dict(examples=2, example_tokens=40, questions=4, question_tokens=10, max_tokens=4),
+    "agent": dict(agents=2, steps=2, tools=2, tool_tokens=20, observation_tokens=10, max_tokens=4),
+    "agent_fork": dict(problems=1, context_tokens=40, branches=2, max_tokens=4),
+    "unique": dict(requests=4, prompt_tokens=40, max_tokens=4),
+}
+SERVERS: dict[str, tuple[str, ...]] = {
+    "radixserve": (),
+    "radixserve cache off": ("--disable-radix-cache",),
+}
+# transformers baselines, where the targets need them; one-at-a-time on the first N requests
+# (throughput is a rate: a stated subset is a fair sample).
+HF_ONE_AT_A_TIME = {"rag": 12, "unique": 8}
+HF_BUDGET_S = 90.0  # a transformers run starts no new request (group) after this many seconds
+HF_STATIC = ("rag", "unique")
+HF_CONTINUOUS = ("rag", "unique")
+
+
+def build_workloads(tokenizer: Any, names: Sequence[str], base: dict[str, dict[str, int]],
+                    overrides: dict[str, int], seed: int) -> list[Workload]:
+    out = []
+    for name in names:
+        accepted = base[name].keys() | {"seed"}
+        sizes = {**base[name], **{k: v for k, v in overrides.items() if k in accepted}}
+        out.append(build(name, tokenizer, seed=seed, **sizes))
+    return out
+
+
+def run_servers(args: argparse.Namespace, workloads: list[Workload], timings: dict[str, float]) -> list[RunResult]:
+    runs = []
+    log_dir = Path(tempfile.mkdtemp(prefix="radixserve-bench-"))
+    for system, options in SERVERS.items():
+        if args.systems and system not in args.systems:
+            continue
+        start = time.perf_counter()
+        log = log_dir / (system.replace(" ", "_") + ".log")
+        with launch_server(args.model, "--dtype", args.dtype, *args.server_arg, *options, log_path=log) as url:
+            timings[f"{system}: start-up"] = time.perf_counter() - start
+            for w in workloads:
+                flush_cache(url)
+                t = time.perf_counter()
+                runs.append(asyncio.run(run_workload(url, w, concurrency=args.concurrency, system=system,
+                                                     progress=not args.no_progress)))
+                timings[f"{system}: {w.name}"] = time.perf_counter() - t
+                _say(runs[-1])
+    print(f"server logs: {log_dir}", file=sys.stderr)
+    return runs
+
+
+def run_transformers(args: argparse.Namespace, workloads: list[Workload], timings: dict[str, float]) -> list[RunResult]:
+    import torch
+
+    from bench.baselines import HFBaseline
+
+    start = time.perf_counter()
+    hf = HFBaseline(args.model, getattr(torch, args.dtype))
+    timings["transformers: load"] = time.perf_counter() - start
+    runs = []
+    progress = not args.no_progress
+    for w in workloads:
+        jobs = []
+        if w.name in HF_ONE_AT_A_TIME and "one" in args.hf:
+            jobs.append(("one-at-a-time", lambda w=w: hf.one_at_a_time(w, HF_ONE_AT_A_TIME[w.name], progress, HF_BUDGET_S)))
+        if w.name in HF_STATIC and "static" in args.hf:
+            jobs.append(("static", lambda w=w: hf.static_batched(w, args.concurrency, progress=progress, budget_s=HF_BUDGET_S)))
+        if w.name in HF_CONTINUOUS and "continuous" in args.hf:
+            jobs.append(("continuous", lambda w=w: hf.continuous_batching(w, args.concurrency, progress)))
+        for label, job in jobs:
+            if time.perf_counter() - args.started > 60 * args.deadline_min:
+                timings[f"transformers {label}: {w.name} (skipped: past --deadline-min)"] = 0.0
+                continue
+            t = time.perf_counter()
+            runs.append(job())
+            timings[f"transformers {label}: {w.name}"] = time.perf_counter() - t
+            _say(runs[-1])
+    return runs
+
+
+def _say(run: RunResult) -> None:
+    m = run.metrics
+    print(f"{run.workload:>10} | {run.system:<32} | {m['completed']:.0f} req, {m['errors']:.0f} errors, "
+          f"{m['duration_s']:.1f} s, {m['output_throughput']:.1f} out tok/s, mean TTFT {m['mean_ttft_ms']:.0f} ms, "
+          f"cache hit {m['cache_hit_fraction']:.2f}", file=sys.stderr, flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    parser.add_argument("--workload", action="append", choices=list(WORKLOADS), help="repeatable; default: all")
+    parser.add_argument("--size", action="append", default=[], help="override a workload size, KEY=VALUE (repeatable)")
+    parser.add_argument("--quick", action="store_true", help="a handful of requests per workload (smoke test)")
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--systems", nargs="*", choices=list(SERVERS), help="radixserve systems (default: all)")
+    parser.add_argument("--server-arg", action="append", default=[], help="more `serve` options for every server")
+    parser.add_argument("--hf", nargs="*", default=["one", "static", "continuous"],
+                        choices=["one", "static", "continuous"], help="transformers baselines to run")
+    parser.add_argument("--deadline-min", type=float, default=16.0,
+                        help="start no transformers baseline after this many minutes (it is noted as skipped)")
+    parser.add_argument("--out-dir", type=Path, default=Path("bench/results"))
+    parser.add_argument("--name", default="serving", help="results file stem")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+
+    started = args.started = time.perf_counter()
+    tokenizer = load_tokenizer(args.model)
+    names = args.workload or list(WORKLOADS)
+    workloads = build_workloads(tokenizer, names, QUICK_SIZES if args.quick else DEFAULT_SIZES,
+                                parse_sizes(args.size), args.seed)
+    for w in workloads:
+        print(w.describe(), file=sys.stderr)
+    timings: dict[str, float] = {}
+    runs = run_servers(args, workloads, timings)
+    if args.hf:
+        runs += run_transformers(args, workloads, timings)
+    timings["total"] = time.perf_counter() - started
+
+    import torch
+
+    meta = {
+        "model": args.model, "dtype": args.dtype, "concurrency": args.concurrency, "seed": args.seed,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.machine(),
+        "cpus": _cpus(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+        "argv": list(sys.argv[1:] if argv is None else argv), "timings_s": timings,
+    }
+    path = args.out_dir / f"{args.name}.json"
+    write_results(runs, path, meta)
+    from bench.report import make_report
+
+    report = make_report(path, args.out_dir)
+    print(markdown_table(runs))
+    print(f"\nwrote {path}, {path.with_suffix('.md')} and {report} ({timings['total']:.0f} s in all)")
+    return 0 if all(r.metrics["errors"] == 0 for r in runs) else 1
+
+
+def _cpus() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
