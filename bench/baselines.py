@@ -26,7 +26,7 @@ from bench.serving import Progress, RequestRecord, RunResult, summarize
 from bench.workloads import Node, Workload
 
 
-class _StepClock:
+class StepClock:
     """A logits processor that only records when each step's logits were ready."""
 
     def __init__(self) -> None:
@@ -58,7 +58,7 @@ class HFBaseline:
         width = max(len(e) for e in encoded)
         ids = torch.tensor([[self.pad_id] * (width - len(e)) + e for e in encoded])
         mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded])
-        clock = _StepClock()
+        clock = StepClock()
         start = time.perf_counter()
         out = self.model.generate(
             ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,

@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from bench.baselines import StepClock
 from radixserve.models.loader import load_model
 from radixserve.models.resolve import resolve_model
 from radixserve.protocol import SamplingParams
@@ -73,17 +74,6 @@ class Ours:
         return time.perf_counter() - start
 
 
-class _StepClock:
-    """A logits processor that only records when `generate` finished each forward."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        self.times.append(time.perf_counter())
-        return scores
-
-
 class HF:
     def __init__(self, dtype: torch.dtype) -> None:
         from transformers import AutoModelForCausalLM
@@ -103,7 +93,7 @@ class HF:
         from transformers import LogitsProcessorList
 
         ids = torch.tensor(prompts)
-        clock = _StepClock()
+        clock = StepClock()
         self.model.generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps + 1, min_new_tokens=steps + 1,
             do_sample=False, pad_token_id=0, logits_processor=LogitsProcessorList([clock]),
