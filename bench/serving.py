@@ -35,7 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -166,13 +166,12 @@ def _sse_data(line: str) -> str | None:
     return line[len("data:"):].strip() if line.startswith("data:") else None
 
 
-async def send_generate(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int,
-                        rec: RequestRecord, t0: float) -> None:
-    """POST /generate with SSE streaming; `text` and `output_ids` are cumulative."""
-    body = {"text": prompt, "stream": True,
-            "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}}
-    seen, last = 0, None
-    async with client.stream("POST", url + "/generate", json=body) as resp:
+async def _stream_events(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], rec: RequestRecord
+) -> AsyncIterator[dict[str, Any]]:
+    """POST `body` and yield each SSE event as JSON; an HTTP or in-stream error ends the
+    stream and is recorded on `rec`."""
+    async with client.stream("POST", url, json=body) as resp:
         if resp.status_code != 200:
             rec.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:200]}"
             return
@@ -184,19 +183,29 @@ async def send_generate(client: httpx.AsyncClient, url: str, prompt: str, max_to
             if "error" in event:
                 rec.error = str(event["error"].get("message", event["error"]))
                 return
-            now = time.perf_counter() - t0
-            n = len(event.get("output_ids") or ())
-            if n > seen:
-                if last is None:
-                    rec.ttft = now - rec.sent
-                else:
-                    rec.itl.append(now - last)
-                seen, last = n, now
-            rec.output = event.get("text", rec.output)
-            meta = event.get("meta_info") or {}
-            rec.prompt_tokens = meta.get("prompt_tokens", rec.prompt_tokens)
-            rec.cached_tokens = meta.get("cached_tokens", rec.cached_tokens)
-            rec.output_tokens = meta.get("completion_tokens", rec.output_tokens)
+            yield event
+
+
+async def send_generate(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int,
+                        rec: RequestRecord, t0: float) -> None:
+    """POST /generate with SSE streaming; `text` and `output_ids` are cumulative."""
+    body = {"text": prompt, "stream": True,
+            "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}}
+    seen, last = 0, None
+    async for event in _stream_events(client, url + "/generate", body, rec):
+        now = time.perf_counter() - t0
+        n = len(event.get("output_ids") or ())
+        if n > seen:
+            if last is None:
+                rec.ttft = now - rec.sent
+            else:
+                rec.itl.append(now - last)
+            seen, last = n, now
+        rec.output = event.get("text", rec.output)
+        meta = event.get("meta_info") or {}
+        rec.prompt_tokens = meta.get("prompt_tokens", rec.prompt_tokens)
+        rec.cached_tokens = meta.get("cached_tokens", rec.cached_tokens)
+        rec.output_tokens = meta.get("completion_tokens", rec.output_tokens)
 
 
 async def send_openai(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int,
@@ -208,32 +217,21 @@ async def send_openai(client: httpx.AsyncClient, url: str, prompt: str, max_toke
     if model is not None:
         body["model"] = model
     last = None
-    async with client.stream("POST", url + "/v1/completions", json=body) as resp:
-        if resp.status_code != 200:
-            rec.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:200]}"
-            return
-        async for line in resp.aiter_lines():
-            data = _sse_data(line)
-            if data is None or data == "[DONE]":
-                continue
-            chunk = json.loads(data)
-            if "error" in chunk:
-                rec.error = str(chunk["error"].get("message", chunk["error"]))
-                return
-            now = time.perf_counter() - t0
-            for choice in chunk.get("choices") or ():
-                if choice.get("text"):
-                    if last is None:
-                        rec.ttft = now - rec.sent
-                    else:
-                        rec.itl.append(now - last)
-                    last = now
-                    rec.output += choice["text"]
-            usage = chunk.get("usage")
-            if usage:
-                rec.prompt_tokens = usage["prompt_tokens"]
-                rec.output_tokens = usage["completion_tokens"]
-                rec.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    async for chunk in _stream_events(client, url + "/v1/completions", body, rec):
+        now = time.perf_counter() - t0
+        for choice in chunk.get("choices") or ():
+            if choice.get("text"):
+                if last is None:
+                    rec.ttft = now - rec.sent
+                else:
+                    rec.itl.append(now - last)
+                last = now
+                rec.output += choice["text"]
+        usage = chunk.get("usage")
+        if usage:
+            rec.prompt_tokens = usage["prompt_tokens"]
+            rec.output_tokens = usage["completion_tokens"]
+            rec.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
 
 
 # ---------------------------------------------------------------------- the load
