@@ -99,6 +99,19 @@ class TextPool:
 _TOKENIZED: dict[tuple[str, int], dict[str, list[int]]] = {}
 
 
+def _chain(length: int, max_tokens: int, group: str, text: Callable[[int], str]) -> Node:
+    """A sequential conversation of `length` requests; `text(i)` is request i's new text.
+
+    Built from the last request up (so `text` is called for length-1 .. 0, the order the
+    workloads' seeded draws were defined in); each request waits for the one before it."""
+    if length < 1:
+        raise ValueError(f"a conversation needs at least one request, got {length}")
+    node = Node(text(length - 1), max_tokens, group, ())
+    for i in reversed(range(length - 1)):
+        node = Node(text(i), max_tokens, group, (node,))
+    return node
+
+
 def _tokenized_topics(tokenizer: Any) -> dict[str, list[int]]:
     """Every topic's token ids, computed once per tokenizer (0.5 s each time otherwise)."""
     key = (str(getattr(tokenizer, "name_or_path", id(tokenizer))), len(tokenizer))
@@ -140,14 +153,9 @@ def chat(tokenizer: Any, *, conversations: int = 8, turns: int = 6, first_tokens
     pool = TextPool(tokenizer, seed)
     roots = []
     for c in range(conversations):
-        node: Node | None = None
-        for t in reversed(range(turns)):  # built from the last turn up
-            if t == 0:
-                text = f"User: Read this passage.\n{pool.take(first_tokens)}\n{_question(rng)}\nAssistant:"
-            else:
-                text = f"\nUser: {pool.take(turn_tokens)}\n{_question(rng)}\nAssistant:"
-            node = Node(text, max_tokens, f"conv{c}", (node,) if node else ())
-        roots.append(node)
+        roots.append(_chain(turns, max_tokens, f"conv{c}", lambda t: (
+            f"User: Read this passage.\n{pool.take(first_tokens)}\n{_question(rng)}\nAssistant:" if t == 0
+            else f"\nUser: {pool.take(turn_tokens)}\n{_question(rng)}\nAssistant:")))
     return Workload("chat", tuple(roots), dict(conversations=conversations, turns=turns, first_tokens=first_tokens,
                                                turn_tokens=turn_tokens, max_tokens=max_tokens, seed=seed))
 
@@ -189,14 +197,9 @@ def agent(tokenizer: Any, *, agents: int = 8, steps: int = 5, tools: int = 6, to
     preamble = _agent_preamble(pool, tools, tool_tokens)
     roots = []
     for a in range(agents):
-        node: Node | None = None
-        for s in reversed(range(steps)):
-            if s == 0:
-                text = f"{preamble}Task {a}: {_question(rng)} Topic: {pool.take(24)}\nThought:"
-            else:
-                text = f"\nObservation: {pool.take(observation_tokens)}\nThought:"
-            node = Node(text, max_tokens, f"agent{a}", (node,) if node else ())
-        roots.append(node)
+        roots.append(_chain(steps, max_tokens, f"agent{a}", lambda s, a=a: (
+            f"{preamble}Task {a}: {_question(rng)} Topic: {pool.take(24)}\nThought:" if s == 0
+            else f"\nObservation: {pool.take(observation_tokens)}\nThought:")))
     return Workload("agent", tuple(roots), dict(agents=agents, steps=steps, tools=tools, tool_tokens=tool_tokens,
                                                 observation_tokens=observation_tokens, max_tokens=max_tokens, seed=seed))
 
