@@ -175,7 +175,7 @@ def _naive_indices(table: list[list[int]], prefix: list[int], extend: list[int],
     return dict(qo_indptr=qo, kv_indptr=kv, kv_indices=indices, kv_last_page_len=last, out_slots=slots)
 
 
-def _random_batch(rng: random.Random, ps: int, num_pages: int = 400) -> AttentionBatch:
+def _random_batch(rng: random.Random, ps: int, num_pages: int = 1000) -> AttentionBatch:
     """Mixed batch: decodes, fresh prefills, prefills over a cached prefix; shuffled page ids and
     stale page-table entries past each row's end."""
     batch = rng.randint(1, 7)
@@ -185,7 +185,8 @@ def _random_batch(rng: random.Random, ps: int, num_pages: int = 400) -> Attentio
         prefix.append(0 if kind == "prefill" else rng.randint(1, 60))
         extend.append(1 if kind == "decode" else rng.randint(1, 40))
     width = max(-(-(p + e) // ps) for p, e in zip(prefix, extend)) + rng.randint(0, 3)
-    table = [rng.sample(range(num_pages), width) for _ in range(batch)]
+    pages = rng.sample(range(num_pages), width * batch)  # no page shared by two requests
+    table = [pages[i * width : (i + 1) * width] for i in range(batch)]
     return AttentionBatch(ps, torch.tensor(table), prefix, extend)
 
 
@@ -204,15 +205,19 @@ def test_paged_indices_equal_a_naive_computation(page_size):
         assert got.out_slots.dtype == torch.int64
 
 
-def test_paged_indices_match_the_slots_torch_native_writes():
+@pytest.mark.parametrize("cpu_kernel", [True, False], ids=["kernel", "sdpa"])
+def test_paged_indices_match_the_slots_torch_native_writes(cpu_kernel):
     rng = random.Random(7)
     for ps in (1, 16):
-        pool = KVPool(1, 400, ps, 2, 8, torch.float32)
-        backend = TorchNativeBackend(pool, AttentionShape(4, 2, 8, 0.3))
+        pool = KVPool(1, 1000, ps, 2, 8, torch.float32)
+        backend = TorchNativeBackend(pool, AttentionShape(4, 2, 8, 0.3), cpu_kernel)
         for _ in range(10):
             batch = _random_batch(rng, ps)
+            k, v = torch.randn(2, batch.num_tokens, 2, 8).unbind(0)
             backend.plan(batch)
-            assert build_paged_indices(batch, "cpu").out_slots.tolist() == backend._out_slots.tolist()
+            backend.forward(torch.randn(batch.num_tokens, 4, 8), k, v, layer_id=0)
+            slots = build_paged_indices(batch, "cpu").out_slots
+            assert torch.equal(pool.flat_k(0)[slots], k) and torch.equal(pool.flat_v(0)[slots], v)
 
 
 def test_the_docstring_example():

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from radixserve.models.loader import load_model
+from radixserve.worker.attention.cpu_kernel import load_paged_decode
 from radixserve.worker.attention.torch_native import TorchNativeBackend
 from radixserve.worker.kv_pool import KVPool
 from radixserve.worker.model_runner import ModelRunner, SequenceChunk
@@ -19,13 +20,15 @@ ATOL = 1e-4  # fp32; observed differences are ~1e-6
 class Harness:
     """A runner over a shuffled page pool, so requests never get contiguous pages."""
 
-    def __init__(self, model_dir, page_size: int, num_pages: int = 512, seed: int = 0) -> None:
+    def __init__(
+        self, model_dir, page_size: int, num_pages: int = 512, seed: int = 0, cpu_kernel: bool = True
+    ) -> None:
         loaded = load_model(str(model_dir), dtype=torch.float32)
         self.model = loaded.model
         shape = self.model.attention_shape()
         self.pool = KVPool(loaded.config.num_layers, num_pages, page_size, shape.num_kv_heads, shape.head_dim, torch.float32)
         self.table = PageTable(8, num_pages)
-        self.runner = ModelRunner(self.model, self.table, TorchNativeBackend(self.pool, shape))
+        self.runner = ModelRunner(self.model, self.table, TorchNativeBackend(self.pool, shape, cpu_kernel))
         self.free = list(range(num_pages))
         random.Random(seed).shuffle(self.free)
         self.page_size = page_size
@@ -47,13 +50,22 @@ class Harness:
         return torch.cat(out)
 
 
+def kernel_available() -> bool:
+    return load_paged_decode() is not None
+
+
 def _tokens(n: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+# decode attention: the C kernel (cpu_kernel.py) and the gather + SDPA fallback
+DECODE_PATHS = pytest.mark.parametrize("cpu_kernel", [True, False], ids=["kernel", "sdpa"])
+
+
+@DECODE_PATHS
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_chunking_and_cached_prefix_give_same_logits(tiny_model_dirs, page_size):
-    h = Harness(tiny_model_dirs["llama_gqa_tied"], page_size)
+def test_chunking_and_cached_prefix_give_same_logits(tiny_model_dirs, page_size, cpu_kernel):
+    h = Harness(tiny_model_dirs["llama_gqa_tied"], page_size, cpu_kernel=cpu_kernel)
     tokens = _tokens(45, h.model.config.vocab_size, 1)
     one_shot = h.run_chunks(0, tokens, [45])
     hf = _hf_logits(tiny_model_dirs["llama_gqa_tied"], tokens)
@@ -76,10 +88,11 @@ def test_prefix_already_in_pages(tiny_model_dirs, page_size):
     assert (res.all_logits[0] - full[shared:]).abs().max() < ATOL
 
 
+@DECODE_PATHS
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_mixed_batch_equals_each_request_alone(tiny_model_dirs, page_size):
-    alone = Harness(tiny_model_dirs["qwen3"], page_size, seed=1)
-    batch = Harness(tiny_model_dirs["qwen3"], page_size, seed=2)
+def test_mixed_batch_equals_each_request_alone(tiny_model_dirs, page_size, cpu_kernel):
+    alone = Harness(tiny_model_dirs["qwen3"], page_size, seed=1, cpu_kernel=cpu_kernel)
+    batch = Harness(tiny_model_dirs["qwen3"], page_size, seed=2, cpu_kernel=cpu_kernel)
     vocab = alone.model.config.vocab_size
     # (tokens, how much is already computed before the mixed step)
     cases = [(_tokens(30, vocab, 10), 29), (_tokens(20, vocab, 11), 0), (_tokens(50, vocab, 12), 16),
@@ -92,6 +105,7 @@ def test_mixed_batch_equals_each_request_alone(tiny_model_dirs, page_size):
         batch.give_pages(i, len(toks))
         chunks.append(SequenceChunk(i, done, toks[done:], all_logits=True))
     res = batch.runner.forward(chunks)
+    assert batch.runner.backend.uses_cpu_kernel == (cpu_kernel and kernel_available())
     for i, (_, done) in enumerate(cases):
         assert (res.all_logits[i] - expected[i][done:]).abs().max() < ATOL, i
         assert (res.last_logits[i] - expected[i][-1]).abs().max() < ATOL, i

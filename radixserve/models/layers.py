@@ -130,12 +130,16 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]."""
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)  # q: [T, H, D]
-        k = k.view(t, self.num_kv_heads, self.head_dim)  # k: [T, Hkv, D]
-        v = v.view(t, self.num_kv_heads, self.head_dim)  # v: [T, Hkv, D]
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        qkv = self.qkv_proj(x)
+        q_size, kv_size = self.split_sizes[0], self.split_sizes[1]
+        v = qkv[:, q_size + kv_size :].view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        if self.q_norm is None:
+            # q and k heads are neighbours in qkv: one rotary call for both (half the small ops)
+            qk = apply_rotary(qkv[:, : q_size + kv_size].view(t, -1, self.head_dim), cos, sin)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, Hkv, D]
+        else:
+            q = self.q_norm(qkv[:, :q_size].view(t, self.num_heads, self.head_dim))
+            k = self.k_norm(qkv[:, q_size : q_size + kv_size].view(t, self.num_kv_heads, self.head_dim))
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = attn.forward(q, k, v, self.layer_id)  # [T, H, D]
         return self.o_proj(out.reshape(t, -1))

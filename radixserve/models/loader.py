@@ -15,6 +15,7 @@ from safetensors import safe_open
 
 from radixserve.models.config import ModelConfig
 from radixserve.models.llama import ARCHITECTURES, LlamaForCausalLM
+from radixserve.models.packed_linear import PackedLinear, can_pack, pack_linears
 from radixserve.models.resolve import resolve_model
 
 # our fused module -> the HF modules it concatenates (along dim 0, in this order)
@@ -34,12 +35,16 @@ class LoadedModel:
 
 
 def load_model(
-    spec: str | Path, dtype: torch.dtype | None = None, device: torch.device | str = "cpu"
+    spec: str | Path,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+    pack_weights: bool = True,
 ) -> LoadedModel:
     """Resolve `spec` (see resolve.py), build the model and load its weights.
 
-    dtype None keeps the checkpoint's dtype. Raises ModelNotFoundError or ValueError naming the
-    path for a missing or unusable model, including missing or unexpected weights.
+    dtype None keeps the checkpoint's dtype. bf16 weights on the CPU are prepacked for oneDNN
+    (packed_linear.py) unless `pack_weights` is False. Raises ModelNotFoundError or ValueError
+    naming the path for a missing or unusable model, including missing or unexpected weights.
     """
     path = resolve_model(spec)
     config = ModelConfig.from_folder(path)
@@ -52,6 +57,10 @@ def load_model(
         model = ARCHITECTURES[config.architecture](config)
     state = _read_weights(path, model, dtype or config.torch_dtype, torch.device(device))
     model.load_state_dict(state, assign=True)
+    if pack_weights:
+        pack_linears(model)
+        if model.lm_head is None and can_pack(model.embed_tokens.weight):
+            model.lm_head = PackedLinear(model.embed_tokens.weight, None)  # tied: a packed copy
     return LoadedModel(model.eval().requires_grad_(False), config, path)
 
 

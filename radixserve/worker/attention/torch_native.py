@@ -1,9 +1,10 @@
 """Paged attention in plain PyTorch: the CPU backend and the reference for the CUDA one.
 
-Decode requests (one new token each) are attended in one batched call over their gathered,
-padded contexts; requests with several new tokens (prefill chunks) are attended one by one,
-each with a causal mask offset by its cached prefix. A request with no cached prefix attends
-straight over its new keys and values without touching the pool.
+Decode requests (one new token each) are attended in one call: on the CPU by the C kernel of
+`cpu_kernel` (reads the pages in place), elsewhere, or without a C compiler, by one batched SDPA
+over their gathered, padded contexts. Requests with several new tokens (prefill chunks) are
+attended one by one, each with a causal mask offset by its cached prefix. A request with no
+cached prefix attends straight over its new keys and values without touching the pool.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from radixserve.worker.attention import cpu_kernel
 from radixserve.worker.attention.base import AttentionBackend, AttentionBatch, AttentionShape
 from radixserve.worker.kv_pool import KVPool
 
@@ -18,8 +20,9 @@ from radixserve.worker.kv_pool import KVPool
 class TorchNativeBackend(AttentionBackend):
     """Exact paged attention with `scaled_dot_product_attention`."""
 
-    def __init__(self, pool: KVPool, shape: AttentionShape) -> None:
+    def __init__(self, pool: KVPool, shape: AttentionShape, use_cpu_kernel: bool = True) -> None:
         super().__init__(pool, shape)
+        self.uses_cpu_kernel = use_cpu_kernel and cpu_kernel.supports(pool.dtype, pool.device)
         # Decode gathers reuse two buffers: fresh multi-MB tensors every layer cost page faults
         # (malloc hands large blocks back to the OS), about half the gather time on CPU.
         self._gather_k = torch.empty(0, device=pool.device, dtype=pool.dtype)
@@ -30,6 +33,11 @@ class TorchNativeBackend(AttentionBackend):
         ps = batch.page_size
         seq_lens = batch.seq_lens
         page_table = batch.page_table.to(device)
+        self._all_decode = batch.is_decode
+        if self._all_decode and self.uses_cpu_kernel:  # the kernel finds every slot itself
+            self._decode_pages = page_table.contiguous()
+            self._decode_lens = torch.tensor(seq_lens, device=device)
+            return
         max_len = max(seq_lens)
         # slots[i, pos] = flat slot of position pos of request i (garbage past seq_len i)
         pos = torch.arange(max_len, device=device)
@@ -49,11 +57,14 @@ class TorchNativeBackend(AttentionBackend):
             if e > 1
         ]
         self._decode_rows = None
-        self._all_decode = len(decode) == batch.batch_size
         if decode:
             lens = torch.tensor([seq_lens[i] for i in decode], device=device)
-            dec_len = int(lens.max())
             self._decode_rows = torch.tensor([starts[i] for i in decode], device=device)
+            if self.uses_cpu_kernel:
+                self._decode_pages = page_table[decode].contiguous()
+                self._decode_lens = lens
+                return
+            dec_len = int(lens.max())
             self._decode_slots = slots[decode, :dec_len]  # [Bd, L]
             # [Bd, 1, 1, L]: True where the key position is part of the request's context
             self._decode_mask = (pos[:dec_len][None, :] < lens[:, None])[:, None, None, :]
@@ -68,6 +79,11 @@ class TorchNativeBackend(AttentionBackend):
     ) -> torch.Tensor:
         k_pool = self.pool.flat_k(layer_id)
         v_pool = self.pool.flat_v(layer_id)
+        if self._all_decode and self.uses_cpu_kernel:  # the kernel stores k, v itself
+            return cpu_kernel.paged_decode(
+                q, k_pool, v_pool, self._decode_pages, self._decode_lens, self.pool.page_size,
+                self.shape.scale, k_new=k, v_new=v,
+            )
         k_pool.index_copy_(0, self._out_slots, k)
         v_pool.index_copy_(0, self._out_slots, v)
         scale = self.shape.scale
@@ -92,7 +108,12 @@ class TorchNativeBackend(AttentionBackend):
         return out
 
     def _decode(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
-        """One new token per request: q [Bd, H, D] over each request's gathered context."""
+        """One new token per request: q [Bd, H, D] over each request's context."""
+        if self.uses_cpu_kernel:
+            return cpu_kernel.paged_decode(
+                q, k_pool, v_pool, self._decode_pages, self._decode_lens, self.pool.page_size,
+                self.shape.scale,
+            )
         # index_select on flat slots is ~4x faster on CPU than advanced indexing with a 2-D index
         shape = (*self._decode_slots.shape, *k_pool.shape[1:])  # [Bd, L, Hkv, D]
         flat = self._decode_slots.flatten()

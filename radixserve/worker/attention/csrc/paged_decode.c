@@ -1,0 +1,281 @@
+/* Paged decode attention on the CPU: one new query token per request, keys and values read in
+ * place from their pages (no gathered copy of the context).
+ *
+ * Built and loaded at run time by radixserve/worker/attention/cpu_kernel.py with the system C
+ * compiler; torch_native falls back to gather + scaled_dot_product_attention without it.
+ *
+ * Layouts (all row-major, contiguous in the last two dims):
+ *   q, out        [B, H, D]        q rows q_row_stride elements apart
+ *   k_new, v_new  [B, Hkv, D]      the new token's K/V (rows k/v_row_stride apart), stored in
+ *                                  its slot before attending; NULL when already stored
+ *   k_pool/v_pool [slots, Hkv, D]  slot = page * page_size + offset
+ *   page_table    [B, pt_stride]   page ids of each request, in order
+ *   seq_lens      [B]              context length of each request (the new token included)
+ *
+ * Work is split into tasks of one request and a range of its kv heads. For each kv head, its
+ * G = H / Hkv query heads share every K/V row read: two passes over the context, scores (then
+ * an exact softmax with the true max), then the weighted sum of V. Accumulation is in fp32
+ * whatever the storage dtype. With AVX-512 and a head size of 64 or 128 the G queries and
+ * accumulators live in registers (head_group_avx512); other shapes take the portable loop.
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { DTYPE_FLOAT32 = 0, DTYPE_BFLOAT16 = 1 };
+
+/* Everything one task needs to know about the call and its request. */
+typedef struct {
+    const void *q, *k_new, *v_new;
+    int64_t q_row_stride, k_row_stride, v_row_stride;
+    void *k_pool, *v_pool, *out;
+    int64_t H, Hkv, D;
+    float scale;
+    int dtype;
+    /* per request */
+    int64_t b, seq_len;
+    const int64_t *slots; /* [seq_len] flat slot of each position */
+} Task;
+
+static inline float bf16_to_float(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Round to nearest even, like torch's float -> bfloat16 (inputs here are never NaN). */
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    bits += 0x7FFF + ((bits >> 16) & 1);
+    return (uint16_t)(bits >> 16);
+}
+
+/* Element `index` of a bf16 or fp32 tensor, as fp32. */
+static inline float element(const void *base, int dtype, int64_t index) {
+    return dtype == DTYPE_BFLOAT16 ? bf16_to_float(((const uint16_t *)base)[index])
+                                   : ((const float *)base)[index];
+}
+
+/* Pre-scaled fp32 queries of kv head `kvh`: qf[g * D + d]. */
+static void load_queries(const Task *t, int64_t kvh, float *qf) {
+    const int64_t G = t->H / t->Hkv;
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t offset = t->b * t->q_row_stride + (kvh * G + g) * t->D;
+        for (int64_t d = 0; d < t->D; d++) qf[g * t->D + d] = element(t->q, t->dtype, offset + d) * t->scale;
+    }
+}
+
+/* scores[g * L + i] = exp(scores - max_g) in place; returns sums[g]. */
+static void softmax_weights(float *scores, const float *maxes, float *sums, int64_t G, int64_t L) {
+    for (int64_t g = 0; g < G; g++) {
+        float *sg = scores + g * L;
+        const float m = maxes[g];
+        float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t i = 0; i < L; i++) {
+            sg[i] = expf(sg[i] - m);
+            total += sg[i];
+        }
+        sums[g] = total;
+    }
+}
+
+static void store_output(const Task *t, int64_t kvh, const float *acc, const float *sums) {
+    const int64_t G = t->H / t->Hkv, D = t->D;
+    for (int64_t g = 0; g < G; g++) {
+        const float inv = 1.0f / sums[g];
+        const int64_t offset = (t->b * t->H + kvh * G + g) * D;
+        if (t->dtype == DTYPE_BFLOAT16) {
+            uint16_t *dst = (uint16_t *)t->out + offset;
+            for (int64_t d = 0; d < D; d++) dst[d] = float_to_bf16(acc[g * D + d] * inv);
+        } else {
+            float *dst = (float *)t->out + offset;
+            for (int64_t d = 0; d < D; d++) dst[d] = acc[g * D + d] * inv;
+        }
+    }
+}
+
+/* Portable path: any head size, any CPU. scratch holds [G*D] q, [G*D] acc, [G*L] scores. */
+static void head_group_portable(const Task *t, int64_t kvh, float *scratch) {
+    const int64_t G = t->H / t->Hkv, D = t->D, L = t->seq_len;
+    float *qf = scratch, *acc = qf + G * D, *scores = acc + G * D;
+    float maxes[G], sums[G];
+    load_queries(t, kvh, qf);
+    for (int64_t g = 0; g < G; g++) maxes[g] = -FLT_MAX; /* not -INFINITY: built with -ffast-math */
+    for (int64_t i = 0; i < L; i++) {
+        const int64_t row = (t->slots[i] * t->Hkv + kvh) * D;
+        for (int64_t g = 0; g < G; g++) {
+            float s = 0.0f;
+            for (int64_t d = 0; d < D; d++) s += qf[g * D + d] * element(t->k_pool, t->dtype, row + d);
+            scores[g * L + i] = s;
+            if (s > maxes[g]) maxes[g] = s;
+        }
+    }
+    softmax_weights(scores, maxes, sums, G, L);
+    memset(acc, 0, G * D * sizeof(float));
+    for (int64_t i = 0; i < L; i++) {
+        const int64_t row = (t->slots[i] * t->Hkv + kvh) * D;
+        for (int64_t d = 0; d < D; d++) {
+            const float v = element(t->v_pool, t->dtype, row + d);
+            for (int64_t g = 0; g < G; g++) acc[g * D + d] += scores[g * L + i] * v;
+        }
+    }
+    store_output(t, kvh, acc, sums);
+}
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+#define MAX_GROUP 8  /* query heads per kv head served by the register path */
+#define MAX_CHUNKS 8 /* head size / 16 */
+#define PREFETCH_AHEAD 48
+
+static inline __attribute__((always_inline)) __m512 load16(const void *base, int dtype, int64_t offset) {
+    if (dtype == DTYPE_BFLOAT16) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + offset));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    }
+    return _mm512_loadu_ps((const float *)base + offset);
+}
+
+/* Pages are scattered, so the hardware prefetcher loses the stream at every page boundary:
+ * ask for the row PREFETCH_AHEAD positions on. */
+static inline __attribute__((always_inline)) void prefetch_row(const void *pool, int dtype,
+                                                               int64_t offset, int64_t D) {
+    const char *p = (const char *)pool + offset * (dtype == DTYPE_BFLOAT16 ? 2 : 4);
+    for (int64_t off = 0; off < D * (dtype == DTYPE_BFLOAT16 ? 2 : 4); off += 64)
+        _mm_prefetch(p + off, _MM_HINT_T0);
+}
+
+/* One kv head with G query heads of CH 16-float chunks each. Always inlined with constant G
+ * and CH, so the loops unroll and q and the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void head_group_avx512(const Task *t, int64_t kvh,
+                                                                    float *scores, const int G,
+                                                                    const int CH) {
+    const int64_t D = t->D, L = t->seq_len, Hkv = t->Hkv;
+    const int dtype = t->dtype;
+    __m512 qv[MAX_GROUP * MAX_CHUNKS], acc[MAX_GROUP * MAX_CHUNKS];
+    float maxes[MAX_GROUP], sums[MAX_GROUP], qf[MAX_GROUP * MAX_CHUNKS * 16];
+    load_queries(t, kvh, qf);
+    for (int g = 0; g < G; g++) {
+        maxes[g] = -FLT_MAX;
+        for (int c = 0; c < CH; c++) qv[g * CH + c] = _mm512_loadu_ps(qf + g * D + 16 * c);
+    }
+
+    for (int64_t i = 0; i < L; i++) {
+        const int64_t row = (t->slots[i] * Hkv + kvh) * D;
+        if (i + PREFETCH_AHEAD < L) prefetch_row(t->k_pool, dtype, (t->slots[i + PREFETCH_AHEAD] * Hkv + kvh) * D, D);
+        __m512 k[MAX_CHUNKS];
+        for (int c = 0; c < CH; c++) k[c] = load16(t->k_pool, dtype, row + 16 * c);
+        for (int g = 0; g < G; g++) {
+            __m512 s = _mm512_mul_ps(qv[g * CH], k[0]);
+            for (int c = 1; c < CH; c++) s = _mm512_fmadd_ps(qv[g * CH + c], k[c], s);
+            const float score = _mm512_reduce_add_ps(s);
+            scores[g * L + i] = score;
+            maxes[g] = score > maxes[g] ? score : maxes[g];
+        }
+    }
+
+    softmax_weights(scores, maxes, sums, G, L);
+
+    for (int j = 0; j < G * CH; j++) acc[j] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < L; i++) {
+        const int64_t row = (t->slots[i] * Hkv + kvh) * D;
+        if (i + PREFETCH_AHEAD < L) prefetch_row(t->v_pool, dtype, (t->slots[i + PREFETCH_AHEAD] * Hkv + kvh) * D, D);
+        __m512 w[MAX_GROUP];
+        for (int g = 0; g < G; g++) w[g] = _mm512_set1_ps(scores[g * L + i]);
+        for (int c = 0; c < CH; c++) {
+            const __m512 v = load16(t->v_pool, dtype, row + 16 * c);
+            for (int g = 0; g < G; g++) acc[g * CH + c] = _mm512_fmadd_ps(w[g], v, acc[g * CH + c]);
+        }
+    }
+    for (int j = 0; j < G * CH; j++) _mm512_storeu_ps(qf + 16 * j, acc[j]);
+    store_output(t, kvh, qf, sums);
+}
+
+/* The register path for this shape, instantiated for head sizes 64 and 128 and G <= 8;
+ * returns 0 when the shape is not one of them. */
+static int head_group_fast(const Task *t, int64_t kvh, float *scores) {
+    const int64_t G = t->H / t->Hkv, CH = t->D / 16;
+    if (t->D % 16 != 0) return 0;
+#define SHAPE(g, ch)                                  \
+    if (G == g && CH == ch) {                         \
+        head_group_avx512(t, kvh, scores, g, ch);     \
+        return 1;                                     \
+    }
+    SHAPE(1, 4) SHAPE(2, 4) SHAPE(3, 4) SHAPE(4, 4) SHAPE(5, 4) SHAPE(6, 4) SHAPE(7, 4) SHAPE(8, 4)
+    SHAPE(1, 8) SHAPE(2, 8) SHAPE(3, 8) SHAPE(4, 8) SHAPE(5, 8) SHAPE(6, 8) SHAPE(7, 8) SHAPE(8, 8)
+#undef SHAPE
+    return 0;
+}
+#else
+static int head_group_fast(const Task *t, int64_t kvh, float *scores) {
+    (void)t, (void)kvh, (void)scores;
+    return 0;
+}
+#endif
+
+/* Request `task.b`, kv heads [kv0, kv1): store its new K/V, then attend. */
+static void attend(Task *task, const int64_t *pages, int64_t page_size, int64_t kv0, int64_t kv1,
+                   int64_t *slots, float *scratch) {
+    const int64_t L = task->seq_len, D = task->D, Hkv = task->Hkv;
+    for (int64_t i = 0; i < L; i++) slots[i] = pages[i / page_size] * page_size + i % page_size;
+    task->slots = slots;
+    if (task->k_new != NULL) {
+        const size_t elem = task->dtype == DTYPE_BFLOAT16 ? 2 : 4, bytes = (kv1 - kv0) * D * elem;
+        const int64_t dst = (slots[L - 1] * Hkv + kv0) * D * elem, b = task->b;
+        memcpy((char *)task->k_pool + dst,
+               (const char *)task->k_new + (b * task->k_row_stride + kv0 * D) * elem, bytes);
+        memcpy((char *)task->v_pool + dst,
+               (const char *)task->v_new + (b * task->v_row_stride + kv0 * D) * elem, bytes);
+    }
+    const int64_t G = task->H / Hkv;
+    for (int64_t kvh = kv0; kvh < kv1; kvh++) {
+        if (!head_group_fast(task, kvh, scratch + 2 * G * D)) head_group_portable(task, kvh, scratch);
+    }
+}
+
+/* Returns 0 on success, 1 when a thread could not get its scratch memory. */
+int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_new,
+                           int64_t k_row_stride, const void *v_new, int64_t v_row_stride,
+                           void *k_pool, void *v_pool, const int64_t *page_table,
+                           int64_t pt_stride, const int64_t *seq_lens, void *out, int64_t B,
+                           int64_t H, int64_t Hkv, int64_t D, int64_t page_size, float scale,
+                           int dtype, int num_threads) {
+    int64_t max_len = 0;
+    for (int64_t b = 0; b < B; b++)
+        if (seq_lens[b] > max_len) max_len = seq_lens[b];
+    /* A task is a whole request (its rows of all kv heads are neighbours in memory) when there
+     * are enough requests to keep every thread busy, else one kv head of a request. */
+    const int64_t heads_per_task = B >= 4 * num_threads ? Hkv : 1;
+    const int64_t tasks_per_request = Hkv / heads_per_task;
+    const int64_t G = H / Hkv;
+    const size_t scratch_floats = (size_t)(2 * G * D + G * max_len);
+    const Task call = {q, k_new, v_new, q_row_stride, k_row_stride, v_row_stride, k_pool, v_pool,
+                       out, H, Hkv, D, scale, dtype, 0, 0, NULL};
+    int failed = 0;
+
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        float *scratch = malloc(scratch_floats * sizeof(float));
+        int64_t *slots = malloc(max_len * sizeof(int64_t));
+        failed = scratch == NULL || slots == NULL;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t index = 0; index < B * tasks_per_request; index++) {
+            if (failed) continue;
+            Task task = call;
+            task.b = index / tasks_per_request;
+            task.seq_len = seq_lens[task.b];
+            const int64_t kv0 = (index % tasks_per_request) * heads_per_task;
+            attend(&task, page_table + task.b * pt_stride, page_size, kv0, kv0 + heads_per_task,
+                   slots, scratch);
+        }
+        free(scratch);
+        free(slots);
+    }
+    return failed;
+}
