@@ -62,7 +62,7 @@ class Ours:
     def decode(self, prompts: list[list[int]], steps: int) -> float:
         """Seconds for `steps` batched decode steps (forward + greedy sampling) after a prefill."""
         self._assign(len(prompts), len(prompts[0]) + steps + 1)
-        states = [SamplingState(SamplingParams(temperature=0.0), []) for _ in prompts]
+        states = [SamplingState(SamplingParams(temperature=0.0), [], return_logprob=False) for _ in prompts]
         self.runner.forward([SequenceChunk(row, 0, p) for row, p in enumerate(prompts)])  # not timed
         last = [p[-1] for p in prompts]
         pos = len(prompts[0]) - 1

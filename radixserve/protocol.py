@@ -177,6 +177,7 @@ class NewRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     sampling: SamplingParams
     top_logprobs_num: int = 0
     prompt_ids: list[int] = []  # only when a repetition penalty needs the whole prompt
+    return_logprob: bool = False  # the sampled tokens' logprobs are wanted (else not computed)
 
 
 class Chunk(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -208,7 +209,7 @@ class ForwardBatch(msgspec.Struct, tag=True, omit_defaults=True):
 
 class ChunkResult(msgspec.Struct, array_like=True, omit_defaults=True):
     next_token_id: int = -1  # when the chunk sampled
-    logprob: float = 0.0  # of next_token_id under the model's distribution
+    logprob: float = 0.0  # of next_token_id under the model's distribution, when return_logprob
     top_logprobs: list[tuple[int, float]] = []
     input_logprobs: list[float] = []  # for input_logprobs_from .. end of chunk
     input_top_logprobs: list[list[tuple[int, float]]] = []

@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
+from radixserve.kernels.cpu import load_library
 from radixserve.models.loader import load_model
-from radixserve.worker.attention.cpu_kernel import load_paged_decode
 from radixserve.worker.attention.torch_native import TorchNativeBackend
 from radixserve.worker.kv_pool import KVPool
 from radixserve.worker.model_runner import ModelRunner, SequenceChunk
@@ -51,14 +51,14 @@ class Harness:
 
 
 def kernel_available() -> bool:
-    return load_paged_decode() is not None
+    return load_library() is not None
 
 
 def _tokens(n: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-# decode attention: the C kernel (cpu_kernel.py) and the gather + SDPA fallback
+# decode attention: the C kernel (radixserve/kernels/cpu.py) and the gather + SDPA fallback
 DECODE_PATHS = pytest.mark.parametrize("cpu_kernel", [True, False], ids=["kernel", "sdpa"])
 
 

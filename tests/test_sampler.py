@@ -28,6 +28,21 @@ def test_greedy_is_exact_argmax_and_logprob_is_model_distribution():
     assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(out.logprobs.logprobs, expected))
 
 
+def test_logprobs_only_for_rows_that_ask():
+    logits = _logits(7, rows=4)
+    states = [_state(temperature=0.0) for _ in range(4)]
+    states[0].return_logprob = states[2].return_logprob = False
+    states[3].top_logprobs_num = 2
+    out = Sampler(V).sample(logits, states)
+    full = torch.log_softmax(logits, -1)
+    assert out.token_ids == logits.argmax(-1).tolist()
+    assert out.logprobs.logprobs[0] == out.logprobs.logprobs[2] == 0.0
+    for i in (1, 3):
+        assert math.isclose(out.logprobs.logprobs[i], float(full[i].max()), rel_tol=1e-6)
+    assert [t for t, _ in out.logprobs.top[3]] == full[3].topk(2).indices.tolist()
+    assert out.logprobs.top[0] == out.logprobs.top[1] == []
+
+
 def test_top_k_1_is_greedy_even_at_high_temperature():
     logits = _logits(1)
     out = Sampler(V).sample(logits, [_state(temperature=5.0, top_k=1)])

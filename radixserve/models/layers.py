@@ -13,12 +13,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixserve.kernels import cpu as cpu_kernels
 from radixserve.models.config import ModelConfig, RopeConfig
 from radixserve.worker.attention.base import AttentionBackend
 
 
 class RMSNorm(nn.Module):
-    """y = weight * x / rms(x), the normalisation computed in fp32."""
+    """y = weight * x / rms(x), the normalisation computed in fp32.
+
+    bf16 on the CPU takes one C call (radixserve/kernels) instead of eight torch ops; fp32, the
+    dtype compared with transformers, always takes the torch ops below.
+    """
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -26,9 +31,18 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.bfloat16 and cpu_kernels.supports(x.dtype, x.device):
+            return cpu_kernels.rms_norm(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + residual, norm(x + residual)): the residual stream's next value and its norm."""
+        if x.dtype == torch.bfloat16 and cpu_kernels.supports(x.dtype, x.device):
+            return cpu_kernels.add_rms_norm(x, residual, self.weight, self.eps)
+        total = x + residual
+        return total, self(total)
 
 
 class RotaryEmbedding(nn.Module):
@@ -80,7 +94,11 @@ def _llama3_scaled(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D], cos/sin: [T, D] -> x rotated by its token's position (rotate_half style)."""
+    """x: [T, H, D], cos/sin: [T, D] -> x rotated by its token's position (rotate_half style).
+
+    bf16 on the CPU takes one C call (bit-identical to the torch ops below)."""
+    if x.dtype == torch.bfloat16 and cpu_kernels.supports(x.dtype, x.device):
+        return cpu_kernels.rotary(x, cos, sin)
     cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, D]
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
@@ -100,7 +118,10 @@ class GatedMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, I] each
+        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        if gate_up.dtype == torch.bfloat16 and cpu_kernels.supports(gate_up.dtype, gate_up.device):
+            return self.down_proj(cpu_kernels.silu_mul(gate_up))  # one C call for bf16 on the CPU
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)  # [T, I] each
         return self.down_proj(F.silu(gate) * up)
 
 

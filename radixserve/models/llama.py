@@ -30,8 +30,9 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)  # [T, hidden]
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn_out = self.self_attn(self.input_layernorm(x), cos, sin, attn)  # [T, hidden]
+        x, normed = self.post_attention_layernorm.add_and_norm(x, attn_out)
+        return x + self.mlp(normed)
 
 
 class LlamaForCausalLM(nn.Module):

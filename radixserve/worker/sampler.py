@@ -24,6 +24,7 @@ class SamplingState:
     output_ids: list[int] = field(default_factory=list)
     top_logprobs_num: int = 0
     generator: torch.Generator | None = None
+    return_logprob: bool = True  # False: skip the log-softmax over the vocabulary for this row
 
     def __post_init__(self) -> None:
         if self.params.seed is not None and self.generator is None:
@@ -81,8 +82,22 @@ class Sampler:
             rows = torch.tensor(sampled_rows, device=logits.device)
             picked = self._sample_rows(logits[rows], [states[i] for i in sampled_rows])
             next_ids[rows] = picked
-        lp = token_logprobs(raw, next_ids, [s.top_logprobs_num for s in states])
-        return SampleOutput(next_ids.tolist(), lp)
+        return SampleOutput(next_ids.tolist(), self._logprobs(raw, next_ids, states))
+
+    @staticmethod
+    def _logprobs(raw: torch.Tensor, next_ids: torch.Tensor, states: list[SamplingState]) -> TokenLogprobs:
+        """Logprobs of the sampled tokens for the rows that asked; 0.0 and no alternatives for the
+        rest (a log-softmax over the vocabulary per row is a real cost at decode batch sizes)."""
+        rows = [i for i, s in enumerate(states) if s.return_logprob]
+        if len(rows) == len(states):
+            return token_logprobs(raw, next_ids, [s.top_logprobs_num for s in states])
+        logprobs, top = [0.0] * len(states), [[] for _ in states]
+        if rows:
+            index = torch.tensor(rows, device=raw.device)
+            lp = token_logprobs(raw[index], next_ids[index], [states[i].top_logprobs_num for i in rows])
+            for k, i in enumerate(rows):
+                logprobs[i], top[i] = lp.logprobs[k], lp.top[k]
+        return TokenLogprobs(logprobs, top)
 
     def _apply_penalties(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
         rows = [i for i, s in enumerate(states) if s.params.uses_penalties]

@@ -96,7 +96,10 @@ class Worker:
         for rid in batch.finished:
             self.states.pop(rid, None)
         for new in batch.new_requests:
-            self.states[new.rid] = SamplingState(new.sampling, new.prompt_ids, top_logprobs_num=new.top_logprobs_num)
+            self.states[new.rid] = SamplingState(
+                new.sampling, new.prompt_ids, top_logprobs_num=new.top_logprobs_num,
+                return_logprob=new.return_logprob,
+            )
         for row, pages in batch.assigned:
             self.page_table.assign(row, pages)
         for row, pages in batch.appended:

@@ -1,7 +1,8 @@
 """Paged attention in plain PyTorch: the CPU backend and the reference for the CUDA one.
 
-Decode requests (one new token each) are attended in one call: on the CPU by the C kernel of
-`cpu_kernel` (reads the pages in place), elsewhere, or without a C compiler, by one batched SDPA
+Decode requests (one new token each) are attended in one call: on the CPU by the C kernel
+`radixserve.kernels.cpu.paged_decode` (reads the pages in place), elsewhere, or without a C
+compiler, by one batched SDPA
 over their gathered, padded contexts. Requests with several new tokens (prefill chunks) are
 attended one by one, each with a causal mask offset by its cached prefix. A request with no
 cached prefix attends straight over its new keys and values without touching the pool.
@@ -12,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from radixserve.worker.attention import cpu_kernel
+from radixserve.kernels import cpu as cpu_kernels
 from radixserve.worker.attention.base import AttentionBackend, AttentionBatch, AttentionShape
 from radixserve.worker.kv_pool import KVPool
 
@@ -22,7 +23,7 @@ class TorchNativeBackend(AttentionBackend):
 
     def __init__(self, pool: KVPool, shape: AttentionShape, use_cpu_kernel: bool = True) -> None:
         super().__init__(pool, shape)
-        self.uses_cpu_kernel = use_cpu_kernel and cpu_kernel.supports(pool.dtype, pool.device)
+        self.uses_cpu_kernel = use_cpu_kernel and cpu_kernels.supports(pool.dtype, pool.device)
         # Decode gathers reuse two buffers: fresh multi-MB tensors every layer cost page faults
         # (malloc hands large blocks back to the OS), about half the gather time on CPU.
         self._gather_k = torch.empty(0, device=pool.device, dtype=pool.dtype)
@@ -80,7 +81,7 @@ class TorchNativeBackend(AttentionBackend):
         k_pool = self.pool.flat_k(layer_id)
         v_pool = self.pool.flat_v(layer_id)
         if self._all_decode and self.uses_cpu_kernel:  # the kernel stores k, v itself
-            return cpu_kernel.paged_decode(
+            return cpu_kernels.paged_decode(
                 q, k_pool, v_pool, self._decode_pages, self._decode_lens, self.pool.page_size,
                 self.shape.scale, k_new=k, v_new=v,
             )
@@ -110,7 +111,7 @@ class TorchNativeBackend(AttentionBackend):
     def _decode(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
         """One new token per request: q [Bd, H, D] over each request's context."""
         if self.uses_cpu_kernel:
-            return cpu_kernel.paged_decode(
+            return cpu_kernels.paged_decode(
                 q, k_pool, v_pool, self._decode_pages, self._decode_lens, self.pool.page_size,
                 self.shape.scale,
             )

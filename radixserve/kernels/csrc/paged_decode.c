@@ -24,6 +24,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 enum { DTYPE_FLOAT32 = 0, DTYPE_BFLOAT16 = 1 };
 
 /* Everything one task needs to know about the call and its request. */
@@ -38,21 +40,6 @@ typedef struct {
     int64_t b, seq_len;
     const int64_t *slots; /* [seq_len] flat slot of each position */
 } Task;
-
-static inline float bf16_to_float(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-/* Round to nearest even, like torch's float -> bfloat16 (inputs here are never NaN). */
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    bits += 0x7FFF + ((bits >> 16) & 1);
-    return (uint16_t)(bits >> 16);
-}
 
 /* Element `index` of a bf16 or fp32 tensor, as fp32. */
 static inline float element(const void *base, int dtype, int64_t index) {

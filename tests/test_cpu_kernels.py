@@ -1,4 +1,4 @@
-"""The CPU paged-decode kernel against SDPA over gathered pages, and its build and fallback."""
+"""The CPU kernels (radixserve/kernels): paged decode and RMSNorm against torch, build and fallback."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from radixserve.worker.attention import cpu_kernel
+from radixserve.kernels import cpu as cpu_kernel
 
 needs_compiler = pytest.mark.skipif(
     shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler on this machine"
@@ -95,17 +95,17 @@ def test_kernel_rejects_mismatched_inputs():
 @needs_compiler
 def test_kernel_is_built_once_and_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("RADIXSERVE_CACHE", str(tmp_path))
-    cpu_kernel.load_paged_decode.cache_clear()
+    cpu_kernel.load_library.cache_clear()
     try:
-        assert cpu_kernel.load_paged_decode() is not None
-        built = list((tmp_path / "kernels").glob("paged_decode-*.so"))
+        assert cpu_kernel.load_library() is not None
+        built = list((tmp_path / "kernels").glob("radixserve-cpu-*.so"))
         assert len(built) == 1
         stamp = built[0].stat().st_mtime_ns
-        cpu_kernel.load_paged_decode.cache_clear()
-        assert cpu_kernel.load_paged_decode() is not None
+        cpu_kernel.load_library.cache_clear()
+        assert cpu_kernel.load_library() is not None
         assert built[0].stat().st_mtime_ns == stamp  # loaded from the cache, not rebuilt
     finally:
-        cpu_kernel.load_paged_decode.cache_clear()
+        cpu_kernel.load_library.cache_clear()
 
 
 @pytest.mark.parametrize("cause", ["no_compiler", "build_fails", "disabled"])
@@ -120,13 +120,80 @@ def test_without_the_kernel_torch_native_falls_back(tmp_path, monkeypatch, caplo
     elif cause == "build_fails":
         monkeypatch.setattr(cpu_kernel, "_compiler", lambda: "false")  # a compiler that fails
     else:
-        monkeypatch.setenv("RADIXSERVE_DISABLE_CPU_KERNEL", "1")
-    cpu_kernel.load_paged_decode.cache_clear()
+        monkeypatch.setenv("RADIXSERVE_DISABLE_CPU_KERNELS", "1")
+    cpu_kernel.load_library.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger="radixserve.worker"):
+        with caplog.at_level(logging.WARNING, logger="radixserve.kernels"):
             backend = TorchNativeBackend(KVPool(1, 8, 4, 2, 64, torch.float32), AttentionShape(4, 2, 64, 0.125))
         assert not backend.uses_cpu_kernel
         if cause != "disabled":
             assert "gather + SDPA" in caplog.text
     finally:
-        cpu_kernel.load_paged_decode.cache_clear()
+        cpu_kernel.load_library.cache_clear()
+
+
+@needs_compiler
+@pytest.mark.parametrize("shape", [(1, 576), (32, 576), (300, 64), (4, 3, 128)])
+def test_rms_norm_matches_the_torch_ops(shape):
+    """bf16 RMSNorm in C vs transformers' formula in torch: equal but for the rare bf16 rounding
+    flip that a different fp32 summation order can cause (at most one bf16 step)."""
+    gen = torch.Generator().manual_seed(shape[0])
+    x = (torch.randn(shape, generator=gen) * 3).bfloat16()
+    weight = torch.randn(shape[-1], generator=gen).bfloat16()
+    xf = x.float()
+    want = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(torch.bfloat16)
+    got = cpu_kernel.rms_norm(x, weight, 1e-5)
+    assert got.dtype == torch.bfloat16 and got.shape == x.shape
+    step = want.float().abs() * 2**-7  # one bf16 ulp (7 mantissa bits)
+    assert ((got.float() - want.float()).abs() <= step).all()
+    assert (got == want).float().mean() > 0.99
+
+
+@needs_compiler
+def test_rms_norm_reads_strided_rows():
+    """q/k norms see per-head views of the fused projection: rows are not contiguous."""
+    fused = torch.randn(5, 2 * 64 + 3).bfloat16()
+    view = fused[:, :128].view(5, 2, 64)
+    weight = torch.ones(64).bfloat16()
+    assert torch.equal(cpu_kernel.rms_norm(view, weight, 1e-6), cpu_kernel.rms_norm(view.contiguous(), weight, 1e-6))
+
+
+@needs_compiler
+@pytest.mark.parametrize("tokens", [1, 32, 700])
+def test_rotary_is_bit_identical_to_the_torch_ops(tokens):
+    from radixserve.models.config import RopeConfig
+    from radixserve.models.layers import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(tokens)
+    fused = torch.randn(tokens, 12 * 64 + 5, generator=gen).bfloat16()  # strided heads, as in qkv
+    x = fused[:, : 12 * 64].view(tokens, 12, 64)
+    cos, sin = RotaryEmbedding(64, RopeConfig())(torch.randint(0, 4000, (tokens,), generator=gen), torch.bfloat16)
+    c, s = cos[:, None, :], sin[:, None, :]
+    x1, x2 = x.chunk(2, dim=-1)
+    want = x * c + torch.cat((-x2, x1), dim=-1) * s
+    assert torch.equal(cpu_kernel.rotary(x, cos, sin), want)
+
+
+@needs_compiler
+@pytest.mark.parametrize("tokens", [1, 32, 300])
+def test_silu_mul_matches_the_torch_ops(tokens):
+    gen = torch.Generator().manual_seed(tokens)
+    gate_up = (torch.randn(tokens, 2 * 1536, generator=gen) * 4).bfloat16()
+    gate, up = gate_up.split(1536, dim=-1)
+    want = F.silu(gate) * up
+    got = cpu_kernel.silu_mul(gate_up)
+    assert got.shape == want.shape and got.dtype == torch.bfloat16
+    # equal, but for a last-bit difference in exp that can move a result by one bf16 step
+    step = want.float().abs() * 2**-7 + 1e-30
+    assert ((got.float() - want.float()).abs() <= 2 * step).all()
+    assert (got == want).float().mean() > 0.99
+
+
+@needs_compiler
+def test_add_rms_norm_is_the_add_then_the_norm():
+    gen = torch.Generator().manual_seed(5)
+    x, residual = (torch.randn(2, 32, 576, generator=gen) * 2).bfloat16().unbind(0)
+    weight = torch.randn(576, generator=gen).bfloat16()
+    total, normed = cpu_kernel.add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(total, x + residual)  # the bf16 add, bit for bit
+    assert torch.equal(normed, cpu_kernel.rms_norm(x + residual, weight, 1e-5))

@@ -1,0 +1,1 @@
+"""Native kernels radixserve builds itself (plain C for the CPU; see cpu.py)."""

@@ -1,0 +1,246 @@
+"""radixserve's CPU kernels (csrc/*.c): built once per machine, called through ctypes.
+
+- `paged_decode`: decode attention that reads K/V pages in place. On the CPU it is bound by
+  memory: gathering each request's pages into a padded copy and then running
+  `scaled_dot_product_attention` reads the whole context three times and writes it once; the
+  kernel reads every K/V row once.
+- `rms_norm`, `rotary`, `silu_mul`: RMSNorm, rotary embedding and the MLP activation of bf16
+  rows in one call each (torch needs eight, six and two small ops, which at decode batch sizes
+  cost more than their arithmetic).
+
+The sources are plain C with OpenMP (no torch headers), so building them takes about a second
+with the system compiler. The shared library is cached under $RADIXSERVE_CACHE/kernels/, keyed
+by the sources, the flags, the compiler and the CPU's feature flags (it is built with
+-march=native). It links against the libgomp torch already loaded, so the process keeps one
+OpenMP thread pool.
+
+Without a C compiler, on a build failure, or with RADIXSERVE_DISABLE_CPU_KERNELS=1,
+`load_library` returns None (logging why, once) and callers keep their plain-torch paths.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from radixserve.models.resolve import cache_dir
+
+log = logging.getLogger("radixserve.kernels")
+
+SOURCE_DIR = Path(__file__).parent / "csrc"
+# -ffast-math lets gcc vectorise the exp and the reductions (glibc's libmvec); it is only on
+# the compile step: linking with it would set flush-to-zero for the whole process.
+COMPILE_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp",
+                 "-fPIC", "-std=c11"]
+LINK_FLAGS = ["-shared", "-fopenmp", "-lm"]
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+DISABLE_ENV = "RADIXSERVE_DISABLE_CPU_KERNELS"
+
+
+def _sources() -> list[Path]:
+    return sorted(SOURCE_DIR.glob("*.c"))
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _build(compiler: str, target: Path) -> None:
+    """Compile and link into `target`, atomically (concurrent workers may build at once)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        objects = []
+        for source in _sources():
+            obj = Path(tmp) / (source.stem + ".o")
+            subprocess.run([compiler, *COMPILE_FLAGS, "-c", str(source), "-o", str(obj)],
+                           check=True, capture_output=True, text=True)
+            objects.append(str(obj))
+        lib = Path(tmp) / target.name
+        subprocess.run([compiler, *objects, "-o", str(lib), *LINK_FLAGS],
+                       check=True, capture_output=True, text=True)
+        os.replace(lib, target)
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    i64, ptr, f32, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+    lib.paged_decode_attention.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, ptr,
+                                           ptr, i64, i64, i64, i64, i64, f32, cint, cint]
+    lib.paged_decode_attention.restype = cint
+    lib.rms_norm_bf16.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, f32, cint]
+    lib.rms_norm_bf16.restype = None
+    lib.rotary_bf16.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, cint]
+    lib.rotary_bf16.restype = None
+    lib.silu_mul_bf16.argtypes = [ptr, ptr, i64, i64, cint]
+    lib.silu_mul_bf16.restype = None
+
+
+@functools.cache
+def load_library() -> ctypes.CDLL | None:
+    """The built kernel library, or None when it cannot be built here (logged once)."""
+    if os.environ.get(DISABLE_ENV) == "1":
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        log.warning("no C compiler found: the CPU kernels are off (decode attention uses gather + SDPA)")
+        return None
+    key = hashlib.sha256()
+    for source in [*_sources(), *SOURCE_DIR.glob("*.h")]:
+        key.update(source.name.encode() + source.read_bytes())
+    for part in (" ".join(COMPILE_FLAGS + LINK_FLAGS), compiler, _cpu_flags()):
+        key.update(part.encode())
+    target = cache_dir() / "kernels" / f"radixserve-cpu-{key.hexdigest()[:16]}.so"
+    try:
+        if not target.exists():
+            _build(compiler, target)
+        lib = ctypes.CDLL(str(target))
+        _declare(lib)
+    except (OSError, AttributeError, subprocess.CalledProcessError) as exc:
+        detail = getattr(exc, "stderr", "") or str(exc)
+        log.warning("building the CPU kernels failed, so they are off (decode attention uses "
+                    "gather + SDPA): %s", detail.strip()[-2000:])
+        return None
+    return lib
+
+
+def supports(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the kernels serve tensors of this dtype and device (CPU, fp32 or bf16) here."""
+    return device.type == "cpu" and dtype in DTYPE_CODES and load_library() is not None
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x with its last two dims contiguous (its rows may be further apart: a view of a fused
+    projection is fine)."""
+    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    scale: float,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of one new token per request over its paged context.
+
+    q: [B, H, D]; k_pool, v_pool: [slots, Hkv, D] (flat slots, contiguous); page_table:
+    [B, max_pages] int64; seq_lens: [B], the new token included. With k_new, v_new
+    ([B, Hkv, D]) the kernel first stores them at position seq_len - 1 (else they must be in
+    the pool already). Returns [B, H, D] in q's dtype. Only call after `supports` said yes.
+    """
+    lib = load_library()
+    assert lib is not None and q.dtype == k_pool.dtype == v_pool.dtype
+    if not (k_pool.is_contiguous() and v_pool.is_contiguous()):
+        raise ValueError("the KV pool must be contiguous")
+    batch, heads, head_dim = q.shape
+    kv_heads = k_pool.shape[1]
+    if heads % kv_heads or k_pool.shape[2] != head_dim:
+        raise ValueError(f"q heads {heads} x {head_dim} do not fit pool heads {tuple(k_pool.shape[1:])}")
+    q = _rows(q)
+    page_table = page_table.to(torch.int64).contiguous()
+    seq_lens = seq_lens.to(torch.int64).contiguous()
+    if k_new is not None and v_new is not None:
+        k_new, v_new = _rows(k_new), _rows(v_new)
+        if k_new.shape != (batch, kv_heads, head_dim) or v_new.shape != k_new.shape:
+            raise ValueError(f"new K/V must be [{batch}, {kv_heads}, {head_dim}]")
+        new_k_ptr, new_k_stride = k_new.data_ptr(), k_new.stride(0)
+        new_v_ptr, new_v_stride = v_new.data_ptr(), v_new.stride(0)
+    elif k_new is None and v_new is None:
+        new_k_ptr = new_v_ptr = None
+        new_k_stride = new_v_stride = 0
+    else:
+        raise ValueError("pass both k_new and v_new, or neither")
+    out = torch.empty((batch, heads, head_dim), dtype=q.dtype)
+    failed = lib.paged_decode_attention(
+        q.data_ptr(), q.stride(0), new_k_ptr, new_k_stride, new_v_ptr, new_v_stride,
+        k_pool.data_ptr(), v_pool.data_ptr(), page_table.data_ptr(), page_table.stride(0),
+        seq_lens.data_ptr(), out.data_ptr(), batch, heads, kv_heads, head_dim, page_size, scale,
+        DTYPE_CODES[q.dtype], torch.get_num_threads(),
+    )
+    if failed:
+        raise MemoryError("the CPU decode kernel could not allocate its scratch memory")
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm of bf16 rows (last dim): `weight * (x * rsqrt(mean(x^2) + eps))`
+    in fp32, rounded to bf16 before the weight. Only call after `supports(bf16, cpu)`."""
+    return _rms_norm(x, None, weight, eps)[1]
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + residual, rms_norm(x + residual)) for bf16 [T, dim] tensors, in one pass."""
+    return _rms_norm(x, residual, weight, eps)
+
+
+def _rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    lib = load_library()
+    assert lib is not None and x.dtype == weight.dtype == torch.bfloat16
+    dim = x.shape[-1]
+    rows = x.reshape(-1, dim)
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
+    weight = weight.contiguous()
+    out = torch.empty((rows.shape[0], dim), dtype=x.dtype)
+    total = None
+    if residual is not None:
+        residual = residual.reshape(rows.shape).contiguous()
+        total = torch.empty_like(out)
+    lib.rms_norm_bf16(rows.data_ptr(), rows.stride(0), None if residual is None else residual.data_ptr(),
+                      None if total is None else total.data_ptr(), weight.data_ptr(), out.data_ptr(),
+                      rows.shape[0], dim, eps, torch.get_num_threads())
+    return (None if total is None else total.view(x.shape)), out.view(x.shape)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' rotate_half rotary of bf16 heads, bit-identical: x [T, heads, D] (a view of
+    a fused projection is fine), cos/sin [T, D]. Only call after `supports(bf16, cpu)`."""
+    lib = load_library()
+    assert lib is not None and x.dtype == cos.dtype == sin.dtype == torch.bfloat16
+    if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
+        x = x.contiguous()
+    cos, sin = cos.contiguous(), sin.contiguous()
+    tokens, heads, dim = x.shape
+    out = torch.empty((tokens, heads, dim), dtype=x.dtype)
+    lib.rotary_bf16(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
+                    tokens, heads, dim, torch.get_num_threads())
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a bf16 [T, 2I] tensor (gate first) -> [T, I]. Only call after
+    `supports(bf16, cpu)`."""
+    lib = load_library()
+    assert lib is not None and gate_up.dtype == torch.bfloat16 and gate_up.dim() == 2
+    gate_up = gate_up.contiguous()
+    tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((tokens, inter), dtype=gate_up.dtype)
+    lib.silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), tokens, inter, torch.get_num_threads())
+    return out
