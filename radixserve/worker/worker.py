@@ -66,7 +66,8 @@ class Worker:
         log.info(
             "worker ready: model %s, %s on %s, %s attention%s, KV pool %d pages x %d tokens (%.2f GiB)",
             self.model_path, dtype_name(self.dtype), self.device, type(backend).__name__,
-            ", decode CUDA graphs" if self.runner.graphs is not None else "",
+            ", decode CUDA graphs" if self.runner.graphs is not None
+            else " (CPU decode kernel)" if getattr(backend, "uses_cpu_kernel", False) else "",
             num_pages, config.page_size, num_pages * page_bytes / 2**30,
         )
 

@@ -1,7 +1,7 @@
 /* Paged decode attention on the CPU: one new query token per request, keys and values read in
  * place from their pages (no gathered copy of the context).
  *
- * Built and loaded at run time by radixserve/worker/attention/cpu_kernel.py with the system C
+ * Built and loaded at run time by radixserve/kernels/cpu.py with the system C
  * compiler; torch_native falls back to gather + scaled_dot_product_attention without it.
  *
  * Layouts (all row-major, contiguous in the last two dims):
