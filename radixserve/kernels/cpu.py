@@ -127,6 +127,14 @@ def supports(dtype: torch.dtype, device: torch.device) -> bool:
     return device.type == "cpu" and dtype in DTYPE_CODES and load_library() is not None
 
 
+def _dense(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x as a contiguous tensor of `dtype`; x itself when it already is one (checking is much
+    cheaper than a no-op `.contiguous()` call, and these run several times per layer)."""
+    if (dtype is None or x.dtype == dtype) and x.is_contiguous():
+        return x
+    return x.to(dtype or x.dtype).contiguous()
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x with its last two dims contiguous (its rows may be further apart: a view of a fused
     projection is fine)."""
@@ -160,8 +168,7 @@ def paged_decode(
     if heads % kv_heads or k_pool.shape[2] != head_dim:
         raise ValueError(f"q heads {heads} x {head_dim} do not fit pool heads {tuple(k_pool.shape[1:])}")
     q = _rows(q)
-    page_table = page_table.to(torch.int64).contiguous()
-    seq_lens = seq_lens.to(torch.int64).contiguous()
+    page_table, seq_lens = _dense(page_table, torch.int64), _dense(seq_lens, torch.int64)
     if k_new is not None and v_new is not None:
         k_new, v_new = _rows(k_new), _rows(v_new)
         if k_new.shape != (batch, kv_heads, head_dim) or v_new.shape != k_new.shape:
@@ -204,14 +211,14 @@ def _rms_norm(
     lib = load_library()
     assert lib is not None and x.dtype == weight.dtype == torch.bfloat16
     dim = x.shape[-1]
-    rows = x.reshape(-1, dim)
+    rows = x if x.dim() == 2 else x.reshape(-1, dim)
     if rows.stride(1) != 1:
         rows = rows.contiguous()
-    weight = weight.contiguous()
+    weight = _dense(weight)
     out = torch.empty((rows.shape[0], dim), dtype=x.dtype)
     total = None
     if residual is not None:
-        residual = residual.reshape(rows.shape).contiguous()
+        residual = _dense(residual.reshape(rows.shape))
         total = torch.empty_like(out)
     lib.rms_norm_bf16(rows.data_ptr(), rows.stride(0), None if residual is None else residual.data_ptr(),
                       None if total is None else total.data_ptr(), weight.data_ptr(), out.data_ptr(),
@@ -226,7 +233,7 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     assert lib is not None and x.dtype == cos.dtype == sin.dtype == torch.bfloat16
     if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
         x = x.contiguous()
-    cos, sin = cos.contiguous(), sin.contiguous()
+    cos, sin = _dense(cos), _dense(sin)
     tokens, heads, dim = x.shape
     out = torch.empty((tokens, heads, dim), dtype=x.dtype)
     lib.rotary_bf16(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
@@ -239,7 +246,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     `supports(bf16, cpu)`."""
     lib = load_library()
     assert lib is not None and gate_up.dtype == torch.bfloat16 and gate_up.dim() == 2
-    gate_up = gate_up.contiguous()
+    gate_up = _dense(gate_up)
     tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((tokens, inter), dtype=gate_up.dtype)
     lib.silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), tokens, inter, torch.get_num_threads())
