@@ -131,3 +131,11 @@ def test_token_logprobs_with_top_alternatives():
     assert math.isclose(lp.logprobs[0], ref[0, 0].item(), rel_tol=1e-6)
     assert [t for t, _ in lp.top[0]] == ref[0].topk(3).indices.tolist()
     assert lp.top[1] == []
+
+
+def test_greedy_ties_pick_the_first_maximum_like_argmax():
+    logits = torch.zeros(2, V)
+    logits[0, [7, 3, 30]] = 5.0
+    logits[1, [40, 41]] = 2.0
+    out = Sampler(V).sample(logits, [_state(temperature=0.0), _state(temperature=0.0)])
+    assert out.token_ids == [3, 40] == logits.argmax(-1).tolist()
