@@ -1,11 +1,11 @@
 """Paged attention in plain PyTorch: the CPU backend and the reference for the CUDA one.
 
 Decode requests (one new token each) are attended in one call: on the CPU by the C kernel
-`radixserve.kernels.cpu.paged_decode` (reads the pages in place), elsewhere, or without a C
-compiler, by one batched SDPA
-over their gathered, padded contexts. Requests with several new tokens (prefill chunks) are
-attended one by one, each with a causal mask offset by its cached prefix. A request with no
-cached prefix attends straight over its new keys and values without touching the pool.
+`radixserve.kernels.cpu.paged_decode`, which reads the pages in place; elsewhere, or without a
+C compiler, by one batched SDPA over their gathered, padded contexts. Requests with several new
+tokens (prefill chunks) are attended one by one, each with a causal mask offset by its cached
+prefix. A request with no cached prefix attends straight over its new keys and values without
+touching the pool.
 """
 
 from __future__ import annotations
@@ -19,7 +19,10 @@ from radixserve.worker.kv_pool import KVPool
 
 
 class TorchNativeBackend(AttentionBackend):
-    """Exact paged attention with `scaled_dot_product_attention`."""
+    """Exact paged attention: SDPA for prefill chunks, the CPU kernel or SDPA for decode.
+
+    `use_cpu_kernel=False` keeps decode on gather + SDPA even where the kernel is available
+    (the tests run both paths against each other)."""
 
     def __init__(self, pool: KVPool, shape: AttentionShape, use_cpu_kernel: bool = True) -> None:
         super().__init__(pool, shape)
