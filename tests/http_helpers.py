@@ -9,6 +9,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +80,17 @@ class Server:
                 return info
             assert time.monotonic() < deadline, f"requests still running: {info}"
             time.sleep(0.1)
+
+
+@contextmanager
+def running_server(model: Path | str, *options: str, log_dir: Path) -> Iterator[Server]:
+    """A healthy server for the block; afterwards it must stop cleanly (exit code 0), else the
+    assertion shows its log. The body of every module-scoped `server` fixture."""
+    srv = Server(model, *options, log_path=log_dir / "server.log")
+    try:
+        yield srv.wait_healthy()
+    finally:
+        assert srv.stop() == 0, srv.log()
 
 
 def assert_pages_balanced(info: dict[str, Any]) -> None:

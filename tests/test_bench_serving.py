@@ -8,7 +8,7 @@ import json
 import math
 
 import pytest
-from http_helpers import TINY_OPTIONS, Server
+from http_helpers import TINY_OPTIONS, running_server
 from runtime_helpers import make_tiny_chat_model
 
 from bench.serving import (
@@ -83,11 +83,8 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tiny_dir, tmp_path_factory):
-    srv = Server(tiny_dir, *TINY_OPTIONS, log_path=tmp_path_factory.mktemp("logs") / "server.log")
-    try:
-        yield srv.wait_healthy()
-    finally:
-        srv.stop()
+    with running_server(tiny_dir, *TINY_OPTIONS, log_dir=tmp_path_factory.mktemp("logs")) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

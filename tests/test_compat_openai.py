@@ -9,7 +9,7 @@ import asyncio
 import httpx
 import openai
 import pytest
-from http_helpers import TINY_OPTIONS, Server
+from http_helpers import TINY_OPTIONS, running_server
 from runtime_helpers import make_tiny_chat_model
 
 MODEL = "tiny-chat"
@@ -20,11 +20,8 @@ MESSAGES = [{"role": "user", "content": "Tell me about foxes."}]
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tiny = make_tiny_chat_model(tmp_path_factory.mktemp("compat_openai") / "model")
-    srv = Server(tiny, *TINY_OPTIONS, "--served-model-name", MODEL, log_path=tmp_path_factory.mktemp("logs") / "server.log")
-    try:
-        yield srv.wait_healthy()
-    finally:
-        assert srv.stop() == 0, srv.log()
+    with running_server(tiny, *TINY_OPTIONS, "--served-model-name", MODEL, log_dir=tmp_path_factory.mktemp("logs")) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

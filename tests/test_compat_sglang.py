@@ -12,7 +12,7 @@ import threading
 
 import httpx
 import pytest
-from http_helpers import TINY_OPTIONS, Server, sse_events
+from http_helpers import TINY_OPTIONS, running_server, sse_events
 from runtime_helpers import make_tiny_chat_model
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
@@ -31,11 +31,8 @@ RUNTIME_ENDPOINT_SAMPLING = {
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tiny = make_tiny_chat_model(tmp_path_factory.mktemp("compat_sglang") / "model")
-    srv = Server(tiny, *TINY_OPTIONS, log_path=tmp_path_factory.mktemp("logs") / "server.log")
-    try:
-        yield srv.wait_healthy()
-    finally:
-        assert srv.stop() == 0, srv.log()
+    with running_server(tiny, *TINY_OPTIONS, log_dir=tmp_path_factory.mktemp("logs")) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

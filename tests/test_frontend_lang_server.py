@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
-from http_helpers import Server, free_port
+from http_helpers import Server, free_port, running_server
 from runtime_helpers import make_tiny_chat_model
 from test_frontend_lang import (  # noqa: F401 - collected again, here against the server
     PAGE_SIZE,
@@ -48,11 +48,8 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tiny_dir, tmp_path_factory):
-    srv = Server(tiny_dir, *OPTIONS, log_path=tmp_path_factory.mktemp("fl_logs") / "server.log")
-    try:
-        yield srv.wait_healthy()
-    finally:
-        assert srv.stop() == 0, srv.log()
+    with running_server(tiny_dir, *OPTIONS, log_dir=tmp_path_factory.mktemp("fl_logs")) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import re
 
 import httpx
 import pytest
-from http_helpers import TINY_OPTIONS, Server
+from http_helpers import TINY_OPTIONS, running_server
 from runtime_helpers import make_tiny_chat_model
 
 BODY_LIMIT = 100_000
@@ -119,14 +119,9 @@ CASES = {
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     model = make_tiny_chat_model(tmp_path_factory.mktemp("bad_input_tiny") / "model")
-    srv = Server(
-        model, *TINY_OPTIONS, "--served-model-name", "tiny", "--max-body-bytes", str(BODY_LIMIT),
-        "--max-queued-requests", "64", log_path=tmp_path_factory.mktemp("logs") / "server.log",
-    )
-    try:
-        yield srv.wait_healthy()
-    finally:
-        assert srv.stop() == 0, srv.log()
+    options = ("--served-model-name", "tiny", "--max-body-bytes", str(BODY_LIMIT), "--max-queued-requests", "64")
+    with running_server(model, *TINY_OPTIONS, *options, log_dir=tmp_path_factory.mktemp("logs")) as srv:
+        yield srv
 
 
 def _send(client: httpx.Client, method: str, path: str, body) -> httpx.Response:

@@ -10,7 +10,7 @@ import re
 
 import httpx
 import pytest
-from http_helpers import HOST, TINY_OPTIONS, Server, assert_pages_balanced
+from http_helpers import HOST, TINY_OPTIONS, Server, assert_pages_balanced, running_server
 from runtime_helpers import make_tiny_chat_model
 
 STREAMS = 240
@@ -26,11 +26,8 @@ TIME_LIMIT_S = 300
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     model = make_tiny_chat_model(tmp_path_factory.mktemp("load_tiny") / "model")
-    srv = Server(model, *TINY_OPTIONS, "--log-level", "warning", log_path=tmp_path_factory.mktemp("logs") / "server.log")
-    try:
-        yield srv.wait_healthy()
-    finally:
-        assert srv.stop() == 0, srv.log()
+    with running_server(model, *TINY_OPTIONS, "--log-level", "warning", log_dir=tmp_path_factory.mktemp("logs")) as srv:
+        yield srv
 
 
 def _body(i: int, leaves: bool, stream: bool) -> dict:

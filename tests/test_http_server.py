@@ -9,7 +9,13 @@ import time
 
 import httpx
 import pytest
-from http_helpers import TINY_OPTIONS, Server, assert_pages_balanced, raw_request, sse_events
+from http_helpers import (
+    TINY_OPTIONS,
+    assert_pages_balanced,
+    raw_request,
+    running_server,
+    sse_events,
+)
 from runtime_helpers import make_tiny_chat_model
 
 from radixserve import Engine
@@ -30,11 +36,8 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tiny_dir, tmp_path_factory):
-    srv = Server(tiny_dir, *TINY_OPTIONS, "--debug-checks", log_path=tmp_path_factory.mktemp("logs") / "server.log")
-    try:
-        yield srv.wait_healthy()
-    finally:
-        assert srv.stop() == 0, srv.log()
+    with running_server(tiny_dir, *TINY_OPTIONS, "--debug-checks", log_dir=tmp_path_factory.mktemp("logs")) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

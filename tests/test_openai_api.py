@@ -8,7 +8,7 @@ import asyncio
 import httpx
 import openai
 import pytest
-from http_helpers import TINY_OPTIONS, Server
+from http_helpers import TINY_OPTIONS, running_server
 from runtime_helpers import make_tiny_chat_model
 
 from radixserve import Engine
@@ -26,11 +26,8 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tiny_dir, tmp_path_factory):
-    srv = Server(tiny_dir, *TINY_OPTIONS, "--served-model-name", MODEL, log_path=tmp_path_factory.mktemp("logs") / "server.log")
-    try:
-        yield srv.wait_healthy()
-    finally:
-        assert srv.stop() == 0, srv.log()
+    with running_server(tiny_dir, *TINY_OPTIONS, "--served-model-name", MODEL, log_dir=tmp_path_factory.mktemp("logs")) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
