@@ -127,6 +127,12 @@ def supports(dtype: torch.dtype, device: torch.device) -> bool:
     return device.type == "cpu" and dtype in DTYPE_CODES and load_library() is not None
 
 
+def fuses(x: torch.Tensor) -> bool:
+    """Whether the bf16-only fused ops (rms_norm, add_rms_norm, rotary, silu_mul) serve x here:
+    bf16 on the CPU, with the library built. fp32 keeps the torch ops transformers runs."""
+    return x.dtype == torch.bfloat16 and supports(x.dtype, x.device)
+
+
 def _dense(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """x as a contiguous tensor of `dtype`; x itself when it already is one (checking is much
     cheaper than a no-op `.contiguous()` call, and these run several times per layer)."""

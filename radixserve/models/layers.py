@@ -31,7 +31,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.bfloat16 and cpu_kernels.supports(x.dtype, x.device):
+        if cpu_kernels.fuses(x):
             return cpu_kernels.rms_norm(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -39,7 +39,7 @@ class RMSNorm(nn.Module):
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + residual, norm(x + residual)): the residual stream's next value and its norm."""
-        if x.dtype == torch.bfloat16 and cpu_kernels.supports(x.dtype, x.device):
+        if cpu_kernels.fuses(x):
             return cpu_kernels.add_rms_norm(x, residual, self.weight, self.eps)
         total = x + residual
         return total, self(total)
@@ -97,7 +97,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """x: [T, H, D], cos/sin: [T, D] -> x rotated by its token's position (rotate_half style).
 
     bf16 on the CPU takes one C call (bit-identical to the torch ops below)."""
-    if x.dtype == torch.bfloat16 and cpu_kernels.supports(x.dtype, x.device):
+    if cpu_kernels.fuses(x):
         return cpu_kernels.rotary(x, cos, sin)
     cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, D]
     x1, x2 = x.chunk(2, dim=-1)
@@ -119,7 +119,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2I]
-        if gate_up.dtype == torch.bfloat16 and cpu_kernels.supports(gate_up.dtype, gate_up.device):
+        if cpu_kernels.fuses(gate_up):
             return self.down_proj(cpu_kernels.silu_mul(gate_up))  # one C call for bf16 on the CPU
         gate, up = gate_up.split(self.intermediate_size, dim=-1)  # [T, I] each
         return self.down_proj(F.silu(gate) * up)

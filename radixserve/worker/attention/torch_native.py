@@ -84,10 +84,7 @@ class TorchNativeBackend(AttentionBackend):
         k_pool = self.pool.flat_k(layer_id)
         v_pool = self.pool.flat_v(layer_id)
         if self._all_decode and self.uses_cpu_kernel:  # the kernel stores k, v itself
-            return cpu_kernels.paged_decode(
-                q, k_pool, v_pool, self._decode_pages, self._decode_lens, self.pool.page_size,
-                self.shape.scale, k_new=k, v_new=v,
-            )
+            return self._kernel_decode(q, k_pool, v_pool, k, v)
         k_pool.index_copy_(0, self._out_slots, k)
         v_pool.index_copy_(0, self._out_slots, v)
         scale = self.shape.scale
@@ -114,10 +111,7 @@ class TorchNativeBackend(AttentionBackend):
     def _decode(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
         """One new token per request: q [Bd, H, D] over each request's context."""
         if self.uses_cpu_kernel:
-            return cpu_kernels.paged_decode(
-                q, k_pool, v_pool, self._decode_pages, self._decode_lens, self.pool.page_size,
-                self.shape.scale,
-            )
+            return self._kernel_decode(q, k_pool, v_pool)
         # index_select on flat slots is ~4x faster on CPU than advanced indexing with a 2-D index
         shape = (*self._decode_slots.shape, *k_pool.shape[1:])  # [Bd, L, Hkv, D]
         flat = self._decode_slots.flatten()
@@ -129,6 +123,17 @@ class TorchNativeBackend(AttentionBackend):
             q.unsqueeze(2), kd, vd, attn_mask=self._decode_mask, scale=self.shape.scale, enable_gqa=True
         )  # [Bd, H, 1, D]
         return od.squeeze(2)
+
+
+    def _kernel_decode(
+        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+        k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The planned decode rows through the CPU kernel; with k_new, v_new it stores them first."""
+        return cpu_kernels.paged_decode(
+            q, k_pool, v_pool, self._decode_pages, self._decode_lens, self.pool.page_size,
+            self.shape.scale, k_new=k_new, v_new=v_new,
+        )
 
 
 class _Extend:
