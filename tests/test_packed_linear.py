@@ -1,58 +1,135 @@
-"""oneDNN-prepacked bf16 linears give exactly what F.linear gives."""
+"""Packed CPU linears: oneDNN-packed bf16 gives exactly what F.linear gives; radixserve's fp32
+panel kernel gives F.linear's result to a few ulps, for every tile shape and on both its
+AVX-512 and portable builds."""
 
 from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from radixserve.kernels import cpu as cpu_kernels
 from radixserve.models.loader import load_model
-from radixserve.models.packed_linear import PackedLinear, can_pack, pack_linears
+from radixserve.models.packed_linear import OneDNNLinear, PanelLinear, pack_linears, packed_linear
 
-needs_packing = pytest.mark.skipif(
-    not can_pack(torch.empty(1, 1, dtype=torch.bfloat16)), reason="torch has no oneDNN linear packing here"
+needs_onednn = pytest.mark.skipif(
+    packed_linear(torch.empty(1, 1, dtype=torch.bfloat16), None) is None,
+    reason="torch has no oneDNN linear packing here",
+)
+needs_kernels = pytest.mark.skipif(
+    not cpu_kernels.supports(torch.float32, torch.device("cpu")), reason="no C compiler on this machine"
 )
 
 
-@needs_packing
+def _problem(rows: int, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(out_features, in_features, generator=gen) / in_features**0.5).to(dtype)
+    b = torch.randn(out_features, generator=gen).to(dtype) if bias else None
+    x = torch.randn(rows, in_features, generator=gen).to(dtype)
+    return x, weight, b
+
+
+def _assert_ulps_close(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """fp32 sums in another order: within a few ulps of the sum of |terms| of the exact result."""
+    exact = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    magnitude = F.linear(x.double().abs(), weight.double().abs()) + (0 if bias is None else bias.double().abs())
+    assert got.shape == exact.shape and got.dtype == torch.float32
+    assert ((got.double() - exact).abs() <= 4 * x.shape[-1] ** 0.5 * 6e-8 * magnitude + 1e-30).all()
+
+
+@needs_onednn
 @pytest.mark.parametrize("rows", [1, 7, 32, 100])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_is_bit_identical_to_f_linear(rows, bias):
-    gen = torch.Generator().manual_seed(rows)
-    weight = torch.randn(96, 80, generator=gen).bfloat16()
-    b = torch.randn(96, generator=gen).bfloat16() if bias else None
-    x = torch.randn(rows, 80, generator=gen).bfloat16()
-    assert torch.equal(PackedLinear(weight, b)(x), F.linear(x, weight, b))
+def test_onednn_linear_is_bit_identical_to_f_linear(rows, bias):
+    x, weight, b = _problem(rows, 80, 96, bias, torch.bfloat16, seed=rows)
+    assert torch.equal(OneDNNLinear(weight, b)(x), F.linear(x, weight, b))
 
 
-@needs_packing
-def test_only_bf16_cpu_weights_are_packed():
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8).bfloat16())
-    assert pack_linears(model) == 1
-    assert type(model[0]) is torch.nn.Linear  # fp32 keeps F.linear (the exactness dtype)
-    assert isinstance(model[1], PackedLinear)
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 13, 32, 241, 500])  # every tile height, several row chunks
+@pytest.mark.parametrize(("in_features", "out_features"), [(80, 96), (576, 960), (33, 5), (1536, 576), (64, 130)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_panel_linear_matches_f_linear(rows, in_features, out_features, bias):
+    x, weight, b = _problem(rows, in_features, out_features, bias, torch.float32, seed=rows)
+    got = PanelLinear(weight, b)(x)
+    _assert_ulps_close(got, x, weight, b)
+    assert (got - F.linear(x, weight, b)).abs().max() < 1e-4
 
 
-@needs_packing
+@needs_kernels
+def test_panel_linear_reads_strided_rows_and_leading_dims():
+    x, weight, b = _problem(12, 64, 70, True, torch.float32)
+    layer = PanelLinear(weight, b)
+    wide = torch.randn(12, 100)
+    wide[:, 10:74] = x
+    _assert_ulps_close(layer(wide[:, 10:74]), x, weight, b)  # rows 100 elements apart
+    batched = layer(x.view(3, 4, 64))
+    assert batched.shape == (3, 4, 70) and torch.equal(batched.view(12, 70), layer(x))
+
+
+@needs_kernels
+def test_portable_build_of_the_panel_kernel(tmp_path):
+    """Without AVX-512 the kernel takes its portable tile; built that way, it still matches."""
+    compiler = cpu_kernels._compiler()
+    source = cpu_kernels.SOURCE_DIR / "linear_f32.c"
+    lib_path = tmp_path / "portable.so"
+    flags = [f for f in cpu_kernels.COMPILE_FLAGS if not f.startswith(("-march", "-mprefer"))]
+    try:
+        subprocess.run([compiler, *flags, "-mno-avx512f", "-shared", str(source), "-o", str(lib_path)],
+                       check=True, capture_output=True, text=True)
+    except subprocess.CalledProcessError as exc:  # e.g. a compiler for another architecture
+        pytest.skip(f"cannot build without AVX-512 here: {exc.stderr[-300:]}")
+    lib = ctypes.CDLL(str(lib_path))
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.linear_f32.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
+    for rows, out_features, bias in [(1, 64, False), (7, 130, True), (250, 96, True)]:
+        x, weight, b = _problem(rows, 48, out_features, bias, torch.float32, seed=rows)
+        panels = cpu_kernels.pack_linear_f32(weight)
+        out = torch.empty(rows, out_features)
+        lib.linear_f32(x.data_ptr(), x.stride(0), panels.data_ptr(), None if b is None else b.data_ptr(),
+                       out.data_ptr(), rows, 48, out_features, 2)
+        _assert_ulps_close(out, x, weight, b)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
+def test_fp32_and_bf16_cpu_weights_are_packed():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8).bfloat16(), torch.nn.Linear(8, 8).half())
+    expected = 1 + (packed_linear(torch.empty(1, 1, dtype=torch.bfloat16), None) is not None)
+    assert pack_linears(model) == expected
+    assert isinstance(model[0], PanelLinear)
+    assert type(model[2]) is torch.nn.Linear  # fp16: no packed form on the CPU
+
+
 @pytest.mark.parametrize("name", ["llama_gqa_tied", "qwen2"])
-def test_packed_model_gives_the_same_logits(tiny_model_dirs, name):
-    """Every linear and the (tied or untied) lm_head packed: logits unchanged to the bit."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_packed_model_gives_the_same_logits(tiny_model_dirs, name, dtype):
+    """Every linear and the (tied or untied) lm_head packed: bf16 logits unchanged to the bit,
+    fp32 logits to the last bits."""
     from radixserve.worker.attention.base import AttentionBatch
     from radixserve.worker.attention.torch_native import TorchNativeBackend
     from radixserve.worker.kv_pool import KVPool
 
+    if packed_linear(torch.empty(1, 1, dtype=dtype), None) is None:
+        pytest.skip(f"no packed linear for {dtype} here")
     outputs = []
     for pack in (False, True):
-        loaded = load_model(str(tiny_model_dirs[name]), dtype=torch.bfloat16, pack_weights=pack)
+        loaded = load_model(str(tiny_model_dirs[name]), dtype=dtype, pack_weights=pack)
         model = loaded.model
-        assert any(isinstance(m, PackedLinear) for m in model.modules()) == pack
+        assert any(isinstance(m, (OneDNNLinear, PanelLinear)) for m in model.modules()) == pack
         assert (model.lm_head is not None) == (pack or not loaded.config.tie_word_embeddings)
         shape = model.attention_shape()
-        pool = KVPool(loaded.config.num_layers, 8, 16, shape.num_kv_heads, shape.head_dim, torch.bfloat16)
+        pool = KVPool(loaded.config.num_layers, 8, 16, shape.num_kv_heads, shape.head_dim, dtype)
         backend = TorchNativeBackend(pool, shape)
         tokens = torch.arange(3, 23)
         backend.plan(AttentionBatch(16, torch.tensor([[0, 1]]), [0], [20]))
         with torch.inference_mode():
             hidden = model(tokens, torch.arange(20), backend)
             outputs.append(model.compute_logits(hidden))
-    assert torch.equal(outputs[0], outputs[1])
+    if dtype == torch.bfloat16:
+        assert torch.equal(outputs[0], outputs[1])
+    else:
+        assert (outputs[0] - outputs[1]).abs().max() < 1e-5

@@ -4,9 +4,12 @@
   memory: gathering each request's pages into a padded copy and then running
   `scaled_dot_product_attention` reads the whole context three times and writes it once; the
   kernel reads every K/V row once.
-- `rms_norm`, `rotary`, `silu_mul`: RMSNorm, rotary embedding and the MLP activation of bf16
-  rows in one call each (torch needs eight, six and two small ops, which at decode batch sizes
-  cost more than their arithmetic).
+- `linear_f32`: fp32 linear layers over weights packed once into column panels
+  (`pack_linear_f32`); MKL's sgemm repacks nn.Linear's weight on every call, which at decode
+  batch sizes costs more than the arithmetic.
+- `rms_norm`, `rotary`, `silu_mul`: RMSNorm, rotary embedding and the MLP activation of fp32
+  or bf16 rows in one call each (torch needs eight, six and two small ops, which at decode
+  batch sizes cost more than their arithmetic).
 
 The sources are plain C with OpenMP (no torch headers), so building them takes about a second
 with the system compiler. The shared library is cached under $RADIXSERVE_CACHE/kernels/, keyed
@@ -86,12 +89,16 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.paged_decode_attention.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, ptr,
                                            ptr, i64, i64, i64, i64, i64, f32, cint, cint]
     lib.paged_decode_attention.restype = cint
-    lib.rms_norm_bf16.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, f32, cint]
-    lib.rms_norm_bf16.restype = None
-    lib.rotary_bf16.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, cint]
-    lib.rotary_bf16.restype = None
-    lib.silu_mul_bf16.argtypes = [ptr, ptr, i64, i64, cint]
-    lib.silu_mul_bf16.restype = None
+    lib.rms_norm.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, f32, cint, cint]
+    lib.rms_norm.restype = None
+    lib.rotary.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, cint, cint]
+    lib.rotary.restype = None
+    lib.silu_mul.argtypes = [ptr, ptr, i64, i64, cint, cint]
+    lib.silu_mul.restype = None
+    lib.linear_f32.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, cint]
+    lib.linear_f32.restype = None
+    lib.linear_f32_panel_width.argtypes = []
+    lib.linear_f32_panel_width.restype = cint
 
 
 @functools.cache
@@ -128,9 +135,9 @@ def supports(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def fuses(x: torch.Tensor) -> bool:
-    """Whether the bf16-only fused ops (rms_norm, add_rms_norm, rotary, silu_mul) serve x here:
-    bf16 on the CPU, with the library built. fp32 keeps the torch ops transformers runs."""
-    return x.dtype == torch.bfloat16 and supports(x.dtype, x.device)
+    """Whether the fused ops (rms_norm, add_rms_norm, rotary, silu_mul) serve x here: fp32 or
+    bf16 on the CPU, with the library built."""
+    return supports(x.dtype, x.device)
 
 
 def _dense(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -199,15 +206,15 @@ def paged_decode(
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' RMSNorm of bf16 rows (last dim): `weight * (x * rsqrt(mean(x^2) + eps))`
-    in fp32, rounded to bf16 before the weight. Only call after `supports(bf16, cpu)`."""
+    """transformers' RMSNorm of rows (last dim): `weight * (x * rsqrt(mean(x^2) + eps))` in
+    fp32, rounded to x's dtype before the weight. Only call after `fuses(x)`."""
     return _rms_norm(x, None, weight, eps)[1]
 
 
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + residual, rms_norm(x + residual)) for bf16 [T, dim] tensors, in one pass."""
+    """(x + residual, rms_norm(x + residual)) for [T, dim] tensors, in one pass."""
     return _rms_norm(x, residual, weight, eps)
 
 
@@ -215,7 +222,7 @@ def _rms_norm(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     lib = load_library()
-    assert lib is not None and x.dtype == weight.dtype == torch.bfloat16
+    assert lib is not None and x.dtype == weight.dtype
     dim = x.shape[-1]
     rows = x if x.dim() == 2 else x.reshape(-1, dim)
     if rows.stride(1) != 1:
@@ -226,34 +233,64 @@ def _rms_norm(
     if residual is not None:
         residual = _dense(residual.reshape(rows.shape))
         total = torch.empty_like(out)
-    lib.rms_norm_bf16(rows.data_ptr(), rows.stride(0), None if residual is None else residual.data_ptr(),
-                      None if total is None else total.data_ptr(), weight.data_ptr(), out.data_ptr(),
-                      rows.shape[0], dim, eps, torch.get_num_threads())
+    lib.rms_norm(rows.data_ptr(), rows.stride(0), None if residual is None else residual.data_ptr(),
+                 None if total is None else total.data_ptr(), weight.data_ptr(), out.data_ptr(),
+                 rows.shape[0], dim, eps, DTYPE_CODES[x.dtype], torch.get_num_threads())
     return (None if total is None else total.view(x.shape)), out.view(x.shape)
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """transformers' rotate_half rotary of bf16 heads, bit-identical: x [T, heads, D] (a view of
-    a fused projection is fine), cos/sin [T, D]. Only call after `supports(bf16, cpu)`."""
+    """transformers' rotate_half rotary (bit-identical for bf16, to the last bit for fp32):
+    x [T, heads, D] (a view of a fused projection is fine), cos/sin [T, D]. Only call after
+    `fuses(x)`."""
     lib = load_library()
-    assert lib is not None and x.dtype == cos.dtype == sin.dtype == torch.bfloat16
+    assert lib is not None and x.dtype == cos.dtype == sin.dtype
     if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
         x = x.contiguous()
     cos, sin = _dense(cos), _dense(sin)
     tokens, heads, dim = x.shape
     out = torch.empty((tokens, heads, dim), dtype=x.dtype)
-    lib.rotary_bf16(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
-                    tokens, heads, dim, torch.get_num_threads())
+    lib.rotary(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
+               tokens, heads, dim, DTYPE_CODES[x.dtype], torch.get_num_threads())
     return out
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of a bf16 [T, 2I] tensor (gate first) -> [T, I]. Only call after
-    `supports(bf16, cpu)`."""
+    """silu(gate) * up of a [T, 2I] tensor (gate first) -> [T, I]. Only call after
+    `fuses(gate_up)`."""
     lib = load_library()
-    assert lib is not None and gate_up.dtype == torch.bfloat16 and gate_up.dim() == 2
+    assert lib is not None and gate_up.dim() == 2
     gate_up = _dense(gate_up)
     tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((tokens, inter), dtype=gate_up.dtype)
-    lib.silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), tokens, inter, torch.get_num_threads())
+    lib.silu_mul(gate_up.data_ptr(), out.data_ptr(), tokens, inter, DTYPE_CODES[gate_up.dtype],
+                 torch.get_num_threads())
     return out
+
+
+def pack_linear_f32(weight: torch.Tensor) -> torch.Tensor:
+    """nn.Linear's fp32 weight [N, K] -> the panels `linear_f32` reads: [ceil(N / P), K, P],
+    P output columns each, zero past N. Only call after `supports(fp32, cpu)`."""
+    lib = load_library()
+    assert lib is not None and weight.dtype == torch.float32 and weight.dim() == 2
+    width = lib.linear_f32_panel_width()
+    out_features, in_features = weight.shape
+    padded = torch.zeros(-(-out_features // width) * width, in_features, dtype=weight.dtype)
+    padded[:out_features] = weight
+    return padded.view(-1, width, in_features).transpose(1, 2).contiguous()
+
+
+def linear_f32(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """x [..., K] @ W.T + bias in fp32, W given as `pack_linear_f32(W)`."""
+    lib = load_library()
+    assert lib is not None and x.dtype == panels.dtype == torch.float32
+    in_features = panels.shape[1]
+    rows = x.reshape(-1, in_features)
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
+    if bias is not None:
+        bias = _dense(bias)
+    out = torch.empty((rows.shape[0], out_features), dtype=x.dtype)
+    lib.linear_f32(rows.data_ptr(), rows.stride(0), panels.data_ptr(), None if bias is None else bias.data_ptr(),
+                   out.data_ptr(), rows.shape[0], in_features, out_features, torch.get_num_threads())
+    return out.view(*x.shape[:-1], out_features)

@@ -21,8 +21,7 @@ from radixserve.worker.attention.base import AttentionBackend
 class RMSNorm(nn.Module):
     """y = weight * x / rms(x), the normalisation computed in fp32.
 
-    bf16 on the CPU takes one C call (radixserve/kernels) instead of eight torch ops; fp32, the
-    dtype compared with transformers, always takes the torch ops below.
+    On the CPU one C call (radixserve/kernels) replaces the eight torch ops below.
     """
 
     def __init__(self, dim: int, eps: float) -> None:
@@ -96,7 +95,7 @@ def _llama3_scaled(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [T, H, D], cos/sin: [T, D] -> x rotated by its token's position (rotate_half style).
 
-    bf16 on the CPU takes one C call (bit-identical to the torch ops below)."""
+    On the CPU one C call replaces the torch ops below (bit-identical for bf16)."""
     if cpu_kernels.fuses(x):
         return cpu_kernels.rotary(x, cos, sin)
     cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, D]
@@ -120,7 +119,7 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2I]
         if cpu_kernels.fuses(gate_up):
-            return self.down_proj(cpu_kernels.silu_mul(gate_up))  # one C call for bf16 on the CPU
+            return self.down_proj(cpu_kernels.silu_mul(gate_up))  # one C call on the CPU
         gate, up = gate_up.split(self.intermediate_size, dim=-1)  # [T, I] each
         return self.down_proj(F.silu(gate) * up)
 

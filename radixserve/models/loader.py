@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from radixserve.models.config import ModelConfig
 from radixserve.models.llama import ARCHITECTURES, LlamaForCausalLM
-from radixserve.models.packed_linear import PackedLinear, can_pack, pack_linears
+from radixserve.models.packed_linear import pack_linears, packed_linear
 from radixserve.models.resolve import resolve_model
 
 # our fused module -> the HF modules it concatenates (along dim 0, in this order)
@@ -42,8 +42,8 @@ def load_model(
 ) -> LoadedModel:
     """Resolve `spec` (see resolve.py), build the model and load its weights.
 
-    dtype None keeps the checkpoint's dtype. bf16 weights on the CPU are prepacked for oneDNN
-    (packed_linear.py) unless `pack_weights` is False. Raises ModelNotFoundError or ValueError
+    dtype None keeps the checkpoint's dtype. Linear weights on the CPU are packed for its matmul
+    kernels (packed_linear.py) unless `pack_weights` is False. Raises ModelNotFoundError or ValueError
     naming the path for a missing or unusable model, including missing or unexpected weights.
     """
     path = resolve_model(spec)
@@ -59,8 +59,8 @@ def load_model(
     model.load_state_dict(state, assign=True)
     if pack_weights:
         pack_linears(model)
-        if model.lm_head is None and can_pack(model.embed_tokens.weight):
-            model.lm_head = PackedLinear(model.embed_tokens.weight, None)  # tied: a packed copy
+        if model.lm_head is None:  # tied: a packed copy of the embedding table, where one applies
+            model.lm_head = packed_linear(model.embed_tokens.weight, None)
     return LoadedModel(model.eval().requires_grad_(False), config, path)
 
 

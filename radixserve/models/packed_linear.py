@@ -1,12 +1,15 @@
-"""bf16 linear layers with weights prepacked for oneDNN (the CPU's AMX/AVX-512 kernels).
+"""Linear layers with weights packed once, at load, for the CPU's matmul kernels.
 
-A plain bf16 `F.linear` on the CPU hands oneDNN a row-major weight, which it reorders into its
-blocked layout on every call: at decode batch sizes that reorder is a large part of each
-matmul. Packing once at load time removes it (bench/model_runner.py measures the step); the
-results are bit-identical to `F.linear` (tests/test_packed_linear.py).
+A plain `F.linear` on the CPU hands the matmul library nn.Linear's row-major weight, which it
+reorders into its own blocked layout on every call: at decode batch sizes that reorder costs
+more than the arithmetic. Packing once removes it (bench/model_runner.py measures the step):
 
-Only bf16 on the CPU is packed: fp32 keeps `F.linear`, whose results the exactness tests compare
-with transformers', and CUDA has its own kernels.
+- bf16: oneDNN's packed layout (its AMX/AVX-512 kernels); bit-identical to `F.linear`.
+- fp32: column panels for radixserve's own kernel (`radixserve.kernels.cpu.linear_f32`); the
+  same dot products summed in another order than MKL's, so equal to `F.linear` to a few ulps.
+
+The packed weight replaces the original (no second copy), except for a tied LM head, whose
+weight is also the embedding table. CUDA keeps nn.Linear: its kernels read the weight as is.
 """
 
 from __future__ import annotations
@@ -14,41 +17,67 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from radixserve.kernels import cpu as cpu_kernels
+
 # oneDNN picks its blocked layout for this many rows; it serves any row count
 PACK_BATCH_HINT = 32
 
 
-def can_pack(weight: torch.Tensor) -> bool:
-    return (
-        weight.dtype == torch.bfloat16
-        and weight.device.type == "cpu"
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    )
-
-
 class PackedLinear(nn.Module):
-    """y = x @ W.T + b with W held in oneDNN's packed layout (not a readable tensor)."""
+    """y = x @ W.T + b with W held in a packed layout (not a readable [N, K] tensor)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_BATCH_HINT)
         self.bias = bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class OneDNNLinear(PackedLinear):
+    """bf16: oneDNN's packed weight."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__(weight, bias)
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_BATCH_HINT)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed"
+
+class PanelLinear(PackedLinear):
+    """fp32: column panels for radixserve's CPU kernel."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__(weight, bias)
+        self.panels = cpu_kernels.pack_linear_f32(weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_kernels.linear_f32(x, self.panels, self.bias, self.out_features)
+
+
+def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> PackedLinear | None:
+    """The packed form of a linear layer's weight here, or None where none applies."""
+    if weight.device.type != "cpu":
+        return None
+    if weight.dtype == torch.bfloat16 and _onednn_packs():
+        return OneDNNLinear(weight, bias)
+    if weight.dtype == torch.float32 and cpu_kernels.supports(weight.dtype, weight.device):
+        return PanelLinear(weight, bias)
+    return None
+
+
+def _onednn_packs() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Replace every bf16 CPU `nn.Linear` of `model` by a `PackedLinear`; returns how many."""
+    """Replace every `nn.Linear` of `model` that has a packed form here; returns how many."""
     packed = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear) and can_pack(child.weight):
-                setattr(module, name, PackedLinear(child.weight, child.bias))
+            if isinstance(child, nn.Linear) and (replacement := packed_linear(child.weight, child.bias)):
+                setattr(module, name, replacement)
                 packed += 1
     return packed

@@ -24,9 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "bf16.h"
-
-enum { DTYPE_FLOAT32 = 0, DTYPE_BFLOAT16 = 1 };
+#include "dtypes.h"
 
 /* Everything one task needs to know about the call and its request. */
 typedef struct {
@@ -41,18 +39,12 @@ typedef struct {
     const int64_t *slots; /* [seq_len] flat slot of each position */
 } Task;
 
-/* Element `index` of a bf16 or fp32 tensor, as fp32. */
-static inline float element(const void *base, int dtype, int64_t index) {
-    return dtype == DTYPE_BFLOAT16 ? bf16_to_float(((const uint16_t *)base)[index])
-                                   : ((const float *)base)[index];
-}
-
 /* Pre-scaled fp32 queries of kv head `kvh`: qf[g * D + d]. */
 static void load_queries(const Task *t, int64_t kvh, float *qf) {
     const int64_t G = t->H / t->Hkv;
     for (int64_t g = 0; g < G; g++) {
         const int64_t offset = t->b * t->q_row_stride + (kvh * G + g) * t->D;
-        for (int64_t d = 0; d < t->D; d++) qf[g * t->D + d] = element(t->q, t->dtype, offset + d) * t->scale;
+        for (int64_t d = 0; d < t->D; d++) qf[g * t->D + d] = load_element(t->q, offset + d, t->dtype) * t->scale;
     }
 }
 
@@ -97,7 +89,7 @@ static void head_group_portable(const Task *t, int64_t kvh, float *scratch) {
         const int64_t row = (t->slots[i] * t->Hkv + kvh) * D;
         for (int64_t g = 0; g < G; g++) {
             float s = 0.0f;
-            for (int64_t d = 0; d < D; d++) s += qf[g * D + d] * element(t->k_pool, t->dtype, row + d);
+            for (int64_t d = 0; d < D; d++) s += qf[g * D + d] * load_element(t->k_pool, row + d, t->dtype);
             scores[g * L + i] = s;
             if (s > maxes[g]) maxes[g] = s;
         }
@@ -107,7 +99,7 @@ static void head_group_portable(const Task *t, int64_t kvh, float *scratch) {
     for (int64_t i = 0; i < L; i++) {
         const int64_t row = (t->slots[i] * t->Hkv + kvh) * D;
         for (int64_t d = 0; d < D; d++) {
-            const float v = element(t->v_pool, t->dtype, row + d);
+            const float v = load_element(t->v_pool, row + d, t->dtype);
             for (int64_t g = 0; g < G; g++) acc[g * D + d] += scores[g * L + i] * v;
         }
     }
@@ -133,8 +125,8 @@ static inline __attribute__((always_inline)) __m512 load16(const void *base, int
  * ask for the row PREFETCH_AHEAD positions on. */
 static inline __attribute__((always_inline)) void prefetch_row(const void *pool, int dtype,
                                                                int64_t offset, int64_t D) {
-    const char *p = (const char *)pool + offset * (dtype == DTYPE_BFLOAT16 ? 2 : 4);
-    for (int64_t off = 0; off < D * (dtype == DTYPE_BFLOAT16 ? 2 : 4); off += 64)
+    const char *p = (const char *)pool + offset * element_size(dtype);
+    for (int64_t off = 0; off < D * element_size(dtype); off += 64)
         _mm_prefetch(p + off, _MM_HINT_T0);
 }
 
@@ -213,7 +205,7 @@ static void attend(Task *task, const int64_t *pages, int64_t page_size, int64_t 
     for (int64_t i = 0; i < L; i++) slots[i] = pages[i / page_size] * page_size + i % page_size;
     task->slots = slots;
     if (task->k_new != NULL) {
-        const size_t elem = task->dtype == DTYPE_BFLOAT16 ? 2 : 4, bytes = (kv1 - kv0) * D * elem;
+        const size_t elem = element_size(task->dtype), bytes = (kv1 - kv0) * D * elem;
         const int64_t dst = (slots[L - 1] * Hkv + kv0) * D * elem, b = task->b;
         memcpy((char *)task->k_pool + dst,
                (const char *)task->k_new + (b * task->k_row_stride + kv0 * D) * elem, bytes);
