@@ -18,7 +18,11 @@ from radixserve.worker.attention.base import AttentionBackend, AttentionShape
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(.))."""
+    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(.)).
+
+    The block's last residual add is left to the next block's input norm (one fused add + norm
+    call instead of an add and a norm): a layer takes and returns (output, residual), and the
+    residual stream is output + residual."""
 
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
@@ -28,11 +32,17 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(config)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
-    ) -> torch.Tensor:
-        attn_out = self.self_attn(self.input_layernorm(x), cos, sin, attn)  # [T, hidden]
-        x, normed = self.post_attention_layernorm.add_and_norm(x, attn_out)
-        return x + self.mlp(normed)
+        self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+        attn: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] (with residual None: the stream itself) -> (mlp output, residual)."""
+        if residual is None:
+            residual, normed = x, self.input_layernorm(x)
+        else:
+            residual, normed = self.input_layernorm.add_and_norm(x, residual)
+        attn_out = self.self_attn(normed, cos, sin, attn)  # [T, hidden]
+        residual, normed = self.post_attention_layernorm.add_and_norm(attn_out, residual)
+        return self.mlp(normed), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -62,9 +72,10 @@ class LlamaForCausalLM(nn.Module):
         batch `attn` was planned for. Returns hidden states [T, hidden] after the final norm."""
         h = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary(positions, h.dtype)  # [T, D] each, shared by all layers
+        residual = None
         for layer in self.layers:
-            h = layer(h, cos, sin, attn)
-        return self.norm(h)
+            h, residual = layer(h, residual, cos, sin, attn)
+        return self.norm.add_and_norm(h, residual)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 logits; call it only on the rows to be sampled."""
