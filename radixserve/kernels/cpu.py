@@ -274,10 +274,9 @@ def pack_linear_f32(weight: torch.Tensor) -> torch.Tensor:
     lib = load_library()
     assert lib is not None and weight.dtype == torch.float32 and weight.dim() == 2
     width = lib.linear_f32_panel_width()
-    out_features, in_features = weight.shape
-    padded = torch.zeros(-(-out_features // width) * width, in_features, dtype=weight.dtype)
-    padded[:out_features] = weight
-    return padded.view(-1, width, in_features).transpose(1, 2).contiguous()
+    padding = -weight.shape[0] % width
+    padded = torch.nn.functional.pad(weight, (0, 0, 0, padding)) if padding else weight
+    return padded.reshape(-1, width, weight.shape[1]).transpose(1, 2).contiguous()
 
 
 def linear_f32(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
