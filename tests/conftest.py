@@ -10,12 +10,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from hypothesis import HealthCheck, settings
-
-# On a loaded 2-core machine generating examples can be slow; that is not what the property
-# tests check, so the speed health check must not fail them (deadlines are off for the same reason).
-settings.register_profile("radixserve", suppress_health_check=[HealthCheck.too_slow], deadline=None)
-settings.load_profile("radixserve")
 
 if TYPE_CHECKING:
     import torch
