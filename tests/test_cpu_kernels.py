@@ -108,6 +108,22 @@ def test_kernel_is_built_once_and_cached(tmp_path, monkeypatch):
         cpu_kernel.load_library.cache_clear()
 
 
+def test_loading_the_kernels_keeps_subnormal_floats(tmp_path):
+    """-ffast-math at link time would add a constructor that sets flush-to-zero for the whole
+    process when the library loads, changing every later float op (tiny values become 0)."""
+    import ctypes
+    import sys
+
+    tiny = sys.float_info.min / 4  # a subnormal
+    cpu_kernel.load_library()
+    assert sys.float_info.min / 4 == tiny != 0.0
+    assert torch.tensor([sys.float_info.min], dtype=torch.float64).div(4).item() == tiny
+    portable = tmp_path / "one.so"  # the build helper on its own, as the tests use it
+    cpu_kernel._build(cpu_kernel._compiler(), portable, [cpu_kernel.SOURCE_DIR / "silu_mul.c"])
+    ctypes.CDLL(str(portable))
+    assert sys.float_info.min / 4 == tiny != 0.0
+
+
 @pytest.mark.parametrize("cause", ["no_compiler", "build_fails", "disabled"])
 def test_without_the_kernel_torch_native_falls_back(tmp_path, monkeypatch, caplog, cause):
     from radixserve.worker.attention.base import AttentionShape

@@ -75,12 +75,10 @@ def test_panel_linear_reads_strided_rows_and_leading_dims():
 def test_portable_build_of_the_panel_kernel(tmp_path):
     """Without AVX-512 the kernel takes its portable tile; built that way, it still matches."""
     compiler = cpu_kernels._compiler()
-    source = cpu_kernels.SOURCE_DIR / "linear_f32.c"
     lib_path = tmp_path / "portable.so"
-    flags = [f for f in cpu_kernels.COMPILE_FLAGS if not f.startswith(("-march", "-mprefer"))]
+    flags = [f for f in cpu_kernels.COMPILE_FLAGS if not f.startswith(("-march", "-mprefer"))] + ["-mno-avx512f"]
     try:
-        subprocess.run([compiler, *flags, "-mno-avx512f", "-shared", str(source), "-o", str(lib_path)],
-                       check=True, capture_output=True, text=True)
+        cpu_kernels._build(compiler, lib_path, [cpu_kernels.SOURCE_DIR / "linear_f32.c"], flags)
     except subprocess.CalledProcessError as exc:  # e.g. a compiler for another architecture
         pytest.skip(f"cannot build without AVX-512 here: {exc.stderr[-300:]}")
     lib = ctypes.CDLL(str(lib_path))

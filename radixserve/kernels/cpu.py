@@ -68,14 +68,17 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def _build(compiler: str, target: Path) -> None:
-    """Compile and link into `target`, atomically (concurrent workers may build at once)."""
+def _build(compiler: str, target: Path, sources: list[Path] | None = None,
+           compile_flags: list[str] = COMPILE_FLAGS) -> None:
+    """Compile `sources` (default: all of csrc/) and link them into `target`, atomically
+    (concurrent workers may build at once). Compiling and linking are separate steps so that
+    -ffast-math never reaches the link (see COMPILE_FLAGS)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         objects = []
-        for source in _sources():
+        for source in sources or _sources():
             obj = Path(tmp) / (source.stem + ".o")
-            subprocess.run([compiler, *COMPILE_FLAGS, "-c", str(source), "-o", str(obj)],
+            subprocess.run([compiler, *compile_flags, "-c", str(source), "-o", str(obj)],
                            check=True, capture_output=True, text=True)
             objects.append(str(obj))
         lib = Path(tmp) / target.name
