@@ -24,7 +24,7 @@ static inline __attribute__((always_inline)) void silu_mul_token(const void *gat
 
 void silu_mul(const void *gate_up, void *out, int64_t tokens, int64_t inter, int dtype, int num_threads) {
     const int64_t size = element_size(dtype);
-#pragma omp parallel for num_threads(num_threads) if (tokens * inter >= 65536) schedule(static)
+#pragma omp parallel for num_threads(num_threads) if (tokens * inter >= 8192) schedule(static)
     for (int64_t t = 0; t < tokens; t++) {
         const char *gate = (const char *)gate_up + t * 2 * inter * size, *up = gate + inter * size;
         char *dst = (char *)out + t * inter * size;
