@@ -5,7 +5,6 @@ AVX-512 and portable builds."""
 from __future__ import annotations
 
 import ctypes
-import shutil
 import subprocess
 
 import pytest
@@ -93,7 +92,7 @@ def test_portable_build_of_the_panel_kernel(tmp_path):
         _assert_ulps_close(out, x, weight, b)
 
 
-@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
+@needs_kernels
 def test_fp32_and_bf16_cpu_weights_are_packed():
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8).bfloat16(), torch.nn.Linear(8, 8).half())
     expected = 1 + (packed_linear(torch.empty(1, 1, dtype=torch.bfloat16), None) is not None)

@@ -151,6 +151,12 @@ def _dense(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     return x.to(dtype or x.dtype).contiguous()
 
 
+def _row_matrix(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x as a [rows, width] matrix with unit column stride (its rows may be further apart)."""
+    rows = x.reshape(-1, width)
+    return rows if rows.stride(1) == 1 else rows.contiguous()
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x with its last two dims contiguous (its rows may be further apart: a view of a fused
     projection is fine)."""
@@ -227,9 +233,7 @@ def _rms_norm(
     lib = load_library()
     assert lib is not None and x.dtype == weight.dtype
     dim = x.shape[-1]
-    rows = x if x.dim() == 2 else x.reshape(-1, dim)
-    if rows.stride(1) != 1:
-        rows = rows.contiguous()
+    rows = _row_matrix(x, dim)
     weight = _dense(weight)
     out = torch.empty((rows.shape[0], dim), dtype=x.dtype)
     total = None
@@ -287,9 +291,7 @@ def linear_f32(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
     lib = load_library()
     assert lib is not None and x.dtype == panels.dtype == torch.float32
     in_features = panels.shape[1]
-    rows = x.reshape(-1, in_features)
-    if rows.stride(1) != 1:
-        rows = rows.contiguous()
+    rows = _row_matrix(x, in_features)
     if bias is not None:
         bias = _dense(bias)
     out = torch.empty((rows.shape[0], out_features), dtype=x.dtype)

@@ -7,7 +7,7 @@
  *
  *   panels [ceil(N / PANEL), K, PANEL]   panels[p, k, c] = W[p * PANEL + c, k] (0 past N)
  *
- so each panel is one contiguous stream. For each tile of up to TILE_ROWS rows of x a thread
+ * so each panel is one contiguous stream. For each tile of up to TILE_ROWS rows of x a thread
  * keeps TILE_ROWS x PANEL sums in registers while sweeping k once over the panel (from L2
  * after the first tile), and it prefetches its next panel while it works. Rows are taken
  * ROW_CHUNK at a time so the x rows a panel meets stay in cache.
