@@ -124,7 +124,6 @@ class TorchNativeBackend(AttentionBackend):
         )  # [Bd, H, 1, D]
         return od.squeeze(2)
 
-
     def _kernel_decode(
         self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
