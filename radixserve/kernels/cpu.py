@@ -4,6 +4,10 @@
   memory: gathering each request's pages into a padded copy and then running
   `scaled_dot_product_attention` reads the whole context three times and writes it once; the
   kernel reads every K/V row once.
+- `prefill_attention`: causal attention of a prefill chunk over its paged context for bf16,
+  with the AVX-512 BF16 dot product. torch's CPU flash attention runs its block matmuls on
+  AMX tiles where the CPU has them, and through a generic bf16 gemm where it does not; there
+  this kernel is 2-2.5x faster, so it serves CPUs with AVX-512 BF16 and without AMX.
 - `linear_f32`: fp32 linear layers over weights packed once into column panels
   (`pack_linear_f32`); MKL's sgemm repacks nn.Linear's weight on every call, which at decode
   batch sizes costs more than the arithmetic.
@@ -92,6 +96,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.paged_decode_attention.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, ptr,
                                            ptr, i64, i64, i64, i64, i64, f32, cint, cint]
     lib.paged_decode_attention.restype = cint
+    lib.prefill_attention.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ptr, i64, i64, i64,
+                                      f32, cint, cint]
+    lib.prefill_attention.restype = cint
+    lib.prefill_attention_supported.argtypes = [i64, cint]
+    lib.prefill_attention_supported.restype = cint
     lib.rms_norm.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, f32, cint, cint]
     lib.rms_norm.restype = None
     lib.rotary.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, cint, cint]
@@ -212,6 +221,54 @@ def paged_decode(
     if failed:
         raise MemoryError("the CPU decode kernel could not allocate its scratch memory")
     return out
+
+
+def prefill_attention_serves(dtype: torch.dtype, head_dim: int, device: torch.device) -> bool:
+    """Whether `prefill_attention` serves this dtype and head size here and beats torch's
+    flash attention: bf16, head size 64 or 128, a CPU with AVX-512 BF16 and without AMX."""
+    if not supports(dtype, device) or "amx_bf16" in _cpu_flags().split():
+        return False
+    return bool(load_library().prefill_attention_supported(head_dim, DTYPE_CODES[dtype]))
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    pages: torch.Tensor,
+    page_size: int,
+    prefix_len: int,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Causal attention of E new tokens over their request's paged context, into `out`.
+
+    q: [E, H, D] (rows may be strided); k_pool, v_pool: [slots, Hkv, D], contiguous, already
+    holding all prefix_len + E positions; pages: the request's page ids in order (int64);
+    out: [E, H, D] contiguous. New token i sees positions 0 .. prefix_len + i. Only call after
+    `prefill_attention_serves` said yes.
+    """
+    lib = load_library()
+    assert lib is not None and q.dtype == k_pool.dtype == v_pool.dtype == out.dtype
+    if not (k_pool.is_contiguous() and v_pool.is_contiguous() and out.is_contiguous()):
+        raise ValueError("the KV pool and the output must be contiguous")
+    tokens, heads, head_dim = q.shape
+    kv_heads = k_pool.shape[1]
+    if heads % kv_heads or k_pool.shape[2] != head_dim or out.shape != q.shape:
+        raise ValueError(f"q {tuple(q.shape)} does not fit pool heads {tuple(k_pool.shape[1:])} or out {tuple(out.shape)}")
+    pages = _dense(pages, torch.int64)
+    if pages.numel() * page_size < prefix_len + tokens:
+        raise ValueError(f"{pages.numel()} pages of {page_size} cannot hold {prefix_len + tokens} positions")
+    q = _rows(q)
+    failed = lib.prefill_attention(
+        q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), pages.data_ptr(), page_size,
+        prefix_len, tokens, out.data_ptr(), heads, kv_heads, head_dim, scale, DTYPE_CODES[q.dtype],
+        torch.get_num_threads(),
+    )
+    if failed == 1:
+        raise MemoryError("the CPU prefill kernel could not allocate its scratch memory")
+    if failed:
+        raise ValueError(f"the CPU prefill kernel does not serve {q.dtype} with head size {head_dim}")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

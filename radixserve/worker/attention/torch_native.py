@@ -3,9 +3,10 @@
 Decode requests (one new token each) are attended in one call: on the CPU by the C kernel
 `radixserve.kernels.cpu.paged_decode`, which reads the pages in place; elsewhere, or without a
 C compiler, by one batched SDPA over their gathered, padded contexts. Requests with several new
-tokens (prefill chunks) are attended one by one, each with a causal mask offset by its cached
-prefix. A request with no cached prefix attends straight over its new keys and values without
-touching the pool.
+tokens (prefill chunks) are attended one by one: in bf16 on CPUs with AVX-512 BF16 and no AMX
+by the C kernel `prefill_attention` (pages read in place), otherwise by SDPA with a causal mask
+offset by the cached prefix. A request with no cached prefix attends straight over its new keys
+and values without touching the pool.
 """
 
 from __future__ import annotations
@@ -19,14 +20,18 @@ from radixserve.worker.kv_pool import KVPool
 
 
 class TorchNativeBackend(AttentionBackend):
-    """Exact paged attention: SDPA for prefill chunks, the CPU kernel or SDPA for decode.
+    """Exact paged attention: SDPA or the CPU prefill kernel for prefill chunks, the CPU decode
+    kernel or SDPA for decode.
 
-    `use_cpu_kernel=False` keeps decode on gather + SDPA even where the kernel is available
-    (the tests run both paths against each other)."""
+    `use_cpu_kernel=False` keeps attention on SDPA even where the kernels are available (the
+    tests run both paths against each other)."""
 
     def __init__(self, pool: KVPool, shape: AttentionShape, use_cpu_kernel: bool = True) -> None:
         super().__init__(pool, shape)
         self.uses_cpu_kernel = use_cpu_kernel and cpu_kernels.supports(pool.dtype, pool.device)
+        self.uses_prefill_kernel = use_cpu_kernel and cpu_kernels.prefill_attention_serves(
+            pool.dtype, shape.head_dim, pool.device
+        )
         # Decode gathers reuse two buffers: fresh multi-MB tensors every layer cost page faults
         # (malloc hands large blocks back to the OS), about half the gather time on CPU.
         self._gather_k = torch.empty(0, device=pool.device, dtype=pool.dtype)
@@ -56,7 +61,8 @@ class TorchNativeBackend(AttentionBackend):
             starts.append(starts[-1] + e)
         decode = [i for i, e in enumerate(batch.extend_lens) if e == 1]
         self._extends = [
-            _Extend(starts[i], starts[i + 1], batch.prefix_lens[i], slots[i, : seq_lens[i]])
+            _Extend(starts[i], starts[i + 1], batch.prefix_lens[i], slots[i, : seq_lens[i]],
+                    page_table[i, : -(-seq_lens[i] // ps)])
             for i, e in enumerate(batch.extend_lens)
             if e > 1
         ]
@@ -90,8 +96,14 @@ class TorchNativeBackend(AttentionBackend):
         scale = self.shape.scale
         if self._all_decode:
             return self._decode(q, k_pool, v_pool)
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         for ext in self._extends:
+            if self.uses_prefill_kernel:
+                cpu_kernels.prefill_attention(
+                    q[ext.start : ext.end], k_pool, v_pool, ext.pages, self.pool.page_size,
+                    ext.prefix_len, scale, out[ext.start : ext.end],
+                )
+                continue
             qi = q[ext.start : ext.end].transpose(0, 1).unsqueeze(0)  # [1, H, E, D]
             if ext.prefix_len == 0:
                 ki, vi = k[ext.start : ext.end], v[ext.start : ext.end]  # [E, Hkv, D]
@@ -136,12 +148,13 @@ class TorchNativeBackend(AttentionBackend):
 
 
 class _Extend:
-    """A request with several new tokens: its rows in the packed q and its context's slots."""
+    """A request with several new tokens: its rows in the packed q, its context's slots and
+    its pages."""
 
-    __slots__ = ("start", "end", "prefix_len", "slots")
+    __slots__ = ("start", "end", "prefix_len", "slots", "pages")
 
-    def __init__(self, start: int, end: int, prefix_len: int, slots: torch.Tensor) -> None:
-        self.start, self.end, self.prefix_len, self.slots = start, end, prefix_len, slots
+    def __init__(self, start: int, end: int, prefix_len: int, slots: torch.Tensor, pages: torch.Tensor) -> None:
+        self.start, self.end, self.prefix_len, self.slots, self.pages = start, end, prefix_len, slots, pages
 
 
 def _offset_causal_mask(num_new: int, prefix_len: int, device: torch.device) -> torch.Tensor:

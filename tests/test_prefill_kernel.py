@@ -1,0 +1,138 @@
+"""The CPU prefill attention kernel (bf16, AVX-512 BF16) against fp32 SDPA, and where it is used."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from radixserve.kernels import cpu as cpu_kernel
+from radixserve.worker.attention.base import AttentionBatch, AttentionShape
+from radixserve.worker.attention.torch_native import TorchNativeBackend
+from radixserve.worker.kv_pool import KVPool
+
+
+def _kernel_builds_here() -> bool:
+    lib = cpu_kernel.load_library()
+    return lib is not None and bool(lib.prefill_attention_supported(64, cpu_kernel.DTYPE_CODES[torch.bfloat16]))
+
+
+needs_kernel = pytest.mark.skipif(not _kernel_builds_here(), reason="the CPU has no AVX-512 BF16 (or no C compiler)")
+
+# The kernel rounds the probabilities to bf16 before P.V and the output once, like torch's bf16
+# flash attention; both land within ~1e-2 of fp32 on these unit-variance inputs.
+TOLERANCE = 2e-2
+
+
+def _problem(heads, kv_heads, head_dim, page_size, prefix_len, new_tokens, seed=0):
+    """A shuffled pool holding one request's prefix + new tokens; q as a strided view of a
+    fused [q | k] projection, as the model makes it."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_len = prefix_len + new_tokens
+    needed = -(-seq_len // page_size)
+    num_pages = needed + 5
+    k_pool = torch.randn(num_pages * page_size, kv_heads, head_dim, generator=gen).bfloat16()
+    v_pool = torch.randn(num_pages * page_size, kv_heads, head_dim, generator=gen).bfloat16()
+    pages = torch.randperm(num_pages, generator=gen)[:needed]
+    fused = (2 * torch.randn(new_tokens, heads + kv_heads, head_dim, generator=gen)).bfloat16()
+    return fused[:, :heads], k_pool, v_pool, pages
+
+
+def _reference(q, k_pool, v_pool, pages, page_size, prefix_len, scale):
+    """fp32 SDPA over the gathered context, new token i seeing positions 0 .. prefix_len + i."""
+    seq_len = prefix_len + q.shape[0]
+    pos = torch.arange(seq_len)
+    slots = pages[pos // page_size] * page_size + pos % page_size
+    k = k_pool[slots].float().transpose(0, 1)[None]  # [1, Hkv, S, D]
+    v = v_pool[slots].float().transpose(0, 1)[None]
+    mask = pos[None, :] <= torch.arange(q.shape[0])[:, None] + prefix_len
+    out = F.scaled_dot_product_attention(q.float().transpose(0, 1)[None], k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)  # [E, H, D]
+
+
+# (heads, kv_heads, head_dim): the default model's GQA (9/3), head size 128, no GQA, G = 8
+SHAPES = [(9, 3, 64), (8, 2, 128), (4, 4, 64), (16, 2, 64)]
+# (prefix, new): one and two new tokens, a tail that fills no key block, page-aligned and
+# unaligned prefixes, blocks of 64 exactly, several blocks
+LENGTHS = [(0, 1), (0, 2), (0, 77), (3, 64), (100, 17), (64, 64), (0, 300), (250, 130)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"h{h}kv{k}d{d}" for h, k, d in SHAPES])
+@pytest.mark.parametrize("lengths", LENGTHS, ids=[f"p{p}e{e}" for p, e in LENGTHS])
+def test_kernel_equals_causal_sdpa_over_gathered_pages(shape, page_size, lengths):
+    heads, kv_heads, head_dim = shape
+    prefix_len, new_tokens = lengths
+    q, k_pool, v_pool, pages = _problem(heads, kv_heads, head_dim, page_size, prefix_len, new_tokens)
+    scale = head_dim**-0.5
+    out = torch.full((new_tokens, heads, head_dim), float("nan"), dtype=torch.bfloat16)
+    cpu_kernel.prefill_attention(q, k_pool, v_pool, pages, page_size, prefix_len, scale, out)
+    want = _reference(q, k_pool, v_pool, pages, page_size, prefix_len, scale)
+    assert (out.float() - want).abs().max() < TOLERANCE
+
+
+@needs_kernel
+def test_kernel_writes_only_its_rows_of_a_larger_output():
+    """The backend hands each prefill chunk its slice of the batch's output."""
+    q, k_pool, v_pool, pages = _problem(9, 3, 64, 16, 20, 40, seed=4)
+    whole = torch.zeros(100, 9, 64, dtype=torch.bfloat16)
+    cpu_kernel.prefill_attention(q, k_pool, v_pool, pages, 16, 20, 0.125, whole[30:70])
+    assert whole[:30].eq(0).all() and whole[70:].eq(0).all()
+    want = _reference(q, k_pool, v_pool, pages, 16, 20, 0.125)
+    assert (whole[30:70].float() - want).abs().max() < TOLERANCE
+
+
+@needs_kernel
+def test_kernel_rejects_what_it_cannot_serve():
+    q, k_pool, v_pool, pages = _problem(9, 3, 64, 16, 0, 40)
+    out = torch.empty(q.shape, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="cannot hold"):
+        cpu_kernel.prefill_attention(q, k_pool, v_pool, pages[:2], 16, 0, 0.1, out)
+    with pytest.raises(ValueError, match="does not fit"):
+        cpu_kernel.prefill_attention(q[:, :8], k_pool, v_pool, pages, 16, 0, 0.1, torch.empty(40, 8, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu_kernel.prefill_attention(q, k_pool, v_pool, pages, 16, 0, 0.1, out.transpose(0, 1))
+    with pytest.raises(ValueError, match="head size 32"):
+        small = torch.empty(40, 9, 32, dtype=torch.bfloat16)
+        cpu_kernel.prefill_attention(small, k_pool[..., :32].contiguous(), v_pool[..., :32].contiguous(), pages, 16, 0, 0.1, small.clone())
+
+
+def test_kernel_serves_bf16_without_amx_only(monkeypatch):
+    """torch's flash attention runs on AMX tiles where the CPU has them; there it stays."""
+    cpu = torch.device("cpu")
+    assert not cpu_kernel.prefill_attention_serves(torch.float32, 64, cpu)
+    assert not cpu_kernel.prefill_attention_serves(torch.bfloat16, 80, cpu)
+    assert cpu_kernel.prefill_attention_serves(torch.bfloat16, 64, cpu) == _kernel_builds_here()
+    flags = cpu_kernel._cpu_flags()
+    monkeypatch.setattr(cpu_kernel, "_cpu_flags", lambda: flags + " amx_bf16 amx_tile")
+    assert not cpu_kernel.prefill_attention_serves(torch.bfloat16, 64, cpu)
+
+
+@needs_kernel
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_backend_with_the_kernel_equals_sdpa_on_a_mixed_batch(page_size, monkeypatch):
+    """Prefill chunks with and without a cached prefix next to decode rows, through
+    TorchNativeBackend with the kernels and with SDPA only: the same attention."""
+    flags = " ".join(f for f in cpu_kernel._cpu_flags().split() if not f.startswith("amx"))
+    monkeypatch.setattr(cpu_kernel, "_cpu_flags", lambda: flags)  # as on a CPU without AMX
+    shape = AttentionShape(num_heads=9, num_kv_heads=3, head_dim=64, scale=0.125)
+    prefix_lens, extend_lens = [0, 37, 80, 16], [50, 1, 23, 1]
+    gen = torch.Generator().manual_seed(7)
+    per_row = -(-max(p + e for p, e in zip(prefix_lens, extend_lens)) // page_size)
+    outputs = []
+    for use_kernels in (True, False):
+        pool = KVPool(1, 4 * per_row + 8, page_size, 3, 64, torch.bfloat16)
+        pool.k[0].copy_(torch.randn(pool.k[0].shape, generator=torch.Generator().manual_seed(1)))
+        pool.v[0].copy_(torch.randn(pool.v[0].shape, generator=torch.Generator().manual_seed(2)))
+        backend = TorchNativeBackend(pool, shape, use_cpu_kernel=use_kernels)
+        assert backend.uses_prefill_kernel == use_kernels
+        table = torch.randperm(pool.num_pages, generator=torch.Generator().manual_seed(3))[: 4 * per_row].view(4, per_row)
+        backend.plan(AttentionBatch(page_size, table, prefix_lens, extend_lens))
+        tokens = sum(extend_lens)
+        gen.manual_seed(5)
+        q = torch.randn(tokens, 9, 64, generator=gen).bfloat16()
+        k = torch.randn(tokens, 3, 64, generator=gen).bfloat16()
+        v = torch.randn(tokens, 3, 64, generator=gen).bfloat16()
+        outputs.append(backend.forward(q, k, v, 0).float())
+    assert (outputs[0] - outputs[1]).abs().max() < TOLERANCE
