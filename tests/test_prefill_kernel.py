@@ -1,4 +1,4 @@
-"""The CPU prefill attention kernel (bf16, AVX-512 BF16) against fp32 SDPA, and where it is used."""
+"""The CPU prefill attention kernel (AVX-512, bf16 and fp32) against fp32 SDPA, and where it is used."""
 
 from __future__ import annotations
 
@@ -19,22 +19,23 @@ def _kernel_builds_here() -> bool:
 
 needs_kernel = pytest.mark.skipif(not _kernel_builds_here(), reason="the CPU has no AVX-512 BF16 (or no C compiler)")
 
-# The kernel rounds the probabilities to bf16 before P.V and the output once, like torch's bf16
-# flash attention; both land within ~1e-2 of fp32 on these unit-variance inputs.
-TOLERANCE = 2e-2
+# bf16: the kernel rounds the probabilities to bf16 before P.V and the output once, like torch's
+# bf16 flash attention; both land within ~1e-2 of fp32 on these unit-variance inputs. fp32: only
+# the summation order differs.
+TOLERANCE = {torch.bfloat16: 2e-2, torch.float32: 2e-6}
 
 
-def _problem(heads, kv_heads, head_dim, page_size, prefix_len, new_tokens, seed=0):
+def _problem(heads, kv_heads, head_dim, page_size, prefix_len, new_tokens, seed=0, dtype=torch.bfloat16):
     """A shuffled pool holding one request's prefix + new tokens; q as a strided view of a
     fused [q | k] projection, as the model makes it."""
     gen = torch.Generator().manual_seed(seed)
     seq_len = prefix_len + new_tokens
     needed = -(-seq_len // page_size)
     num_pages = needed + 5
-    k_pool = torch.randn(num_pages * page_size, kv_heads, head_dim, generator=gen).bfloat16()
-    v_pool = torch.randn(num_pages * page_size, kv_heads, head_dim, generator=gen).bfloat16()
+    k_pool = torch.randn(num_pages * page_size, kv_heads, head_dim, generator=gen).to(dtype)
+    v_pool = torch.randn(num_pages * page_size, kv_heads, head_dim, generator=gen).to(dtype)
     pages = torch.randperm(num_pages, generator=gen)[:needed]
-    fused = (2 * torch.randn(new_tokens, heads + kv_heads, head_dim, generator=gen)).bfloat16()
+    fused = (2 * torch.randn(new_tokens, heads + kv_heads, head_dim, generator=gen)).to(dtype)
     return fused[:, :heads], k_pool, v_pool, pages
 
 
@@ -50,8 +51,10 @@ def _reference(q, k_pool, v_pool, pages, page_size, prefix_len, scale):
     return out[0].transpose(0, 1)  # [E, H, D]
 
 
-# (heads, kv_heads, head_dim): the default model's GQA (9/3), head size 128, no GQA, G = 8
-SHAPES = [(9, 3, 64), (8, 2, 128), (4, 4, 64), (16, 2, 64)]
+# (heads, kv_heads, head_dim, dtype): the default model's GQA (9/3), head size 128 (bf16 only),
+# no GQA, G = 8
+SHAPES = [(9, 3, 64, torch.bfloat16), (9, 3, 64, torch.float32), (8, 2, 128, torch.bfloat16),
+          (4, 4, 64, torch.bfloat16), (16, 2, 64, torch.float32)]
 # (prefix, new): one and two new tokens, a tail that fills no key block, page-aligned and
 # unaligned prefixes, blocks of 64 exactly, several blocks
 LENGTHS = [(0, 1), (0, 2), (0, 77), (3, 64), (100, 17), (64, 64), (0, 300), (250, 130)]
@@ -59,17 +62,17 @@ LENGTHS = [(0, 1), (0, 2), (0, 77), (3, 64), (100, 17), (64, 64), (0, 300), (250
 
 @needs_kernel
 @pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("shape", SHAPES, ids=[f"h{h}kv{k}d{d}" for h, k, d in SHAPES])
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"h{h}kv{k}d{d}-{str(t)[6:]}" for h, k, d, t in SHAPES])
 @pytest.mark.parametrize("lengths", LENGTHS, ids=[f"p{p}e{e}" for p, e in LENGTHS])
 def test_kernel_equals_causal_sdpa_over_gathered_pages(shape, page_size, lengths):
-    heads, kv_heads, head_dim = shape
+    heads, kv_heads, head_dim, dtype = shape
     prefix_len, new_tokens = lengths
-    q, k_pool, v_pool, pages = _problem(heads, kv_heads, head_dim, page_size, prefix_len, new_tokens)
+    q, k_pool, v_pool, pages = _problem(heads, kv_heads, head_dim, page_size, prefix_len, new_tokens, dtype=dtype)
     scale = head_dim**-0.5
-    out = torch.full((new_tokens, heads, head_dim), float("nan"), dtype=torch.bfloat16)
+    out = torch.full((new_tokens, heads, head_dim), float("nan"), dtype=dtype)
     cpu_kernel.prefill_attention(q, k_pool, v_pool, pages, page_size, prefix_len, scale, out)
     want = _reference(q, k_pool, v_pool, pages, page_size, prefix_len, scale)
-    assert (out.float() - want).abs().max() < TOLERANCE
+    assert (out.float() - want).abs().max() < TOLERANCE[dtype]
 
 
 @needs_kernel
@@ -80,7 +83,7 @@ def test_kernel_writes_only_its_rows_of_a_larger_output():
     cpu_kernel.prefill_attention(q, k_pool, v_pool, pages, 16, 20, 0.125, whole[30:70])
     assert whole[:30].eq(0).all() and whole[70:].eq(0).all()
     want = _reference(q, k_pool, v_pool, pages, 16, 20, 0.125)
-    assert (whole[30:70].float() - want).abs().max() < TOLERANCE
+    assert (whole[30:70].float() - want).abs().max() < TOLERANCE[torch.bfloat16]
 
 
 @needs_kernel
@@ -96,22 +99,32 @@ def test_kernel_rejects_what_it_cannot_serve():
     with pytest.raises(ValueError, match="head size 32"):
         small = torch.empty(40, 9, 32, dtype=torch.bfloat16)
         cpu_kernel.prefill_attention(small, k_pool[..., :32].contiguous(), v_pool[..., :32].contiguous(), pages, 16, 0, 0.1, small.clone())
+    with pytest.raises(ValueError, match="float32 with head size 128"):
+        big = torch.empty(40, 8, 128)
+        pool = torch.empty(k_pool.shape[0], 2, 128)
+        cpu_kernel.prefill_attention(big, pool, pool, pages, 16, 0, 0.1, big.clone())
 
 
-def test_kernel_serves_bf16_without_amx_only(monkeypatch):
-    """torch's flash attention runs on AMX tiles where the CPU has them; there it stays."""
+def test_where_the_kernel_serves(monkeypatch):
+    """bf16 and fp32 at head size 64, bf16 at 128; bf16 not on AMX CPUs, where torch's flash
+    attention runs its matmuls on AMX tiles."""
     cpu = torch.device("cpu")
-    assert not cpu_kernel.prefill_attention_serves(torch.float32, 64, cpu)
+    builds = _kernel_builds_here()
+    assert cpu_kernel.prefill_attention_serves(torch.bfloat16, 64, cpu) == builds
+    assert cpu_kernel.prefill_attention_serves(torch.float32, 64, cpu) == builds
+    assert cpu_kernel.prefill_attention_serves(torch.bfloat16, 128, cpu) == builds
+    assert not cpu_kernel.prefill_attention_serves(torch.float32, 128, cpu)
     assert not cpu_kernel.prefill_attention_serves(torch.bfloat16, 80, cpu)
-    assert cpu_kernel.prefill_attention_serves(torch.bfloat16, 64, cpu) == _kernel_builds_here()
     flags = cpu_kernel._cpu_flags()
     monkeypatch.setattr(cpu_kernel, "_cpu_flags", lambda: flags + " amx_bf16 amx_tile")
     assert not cpu_kernel.prefill_attention_serves(torch.bfloat16, 64, cpu)
+    assert cpu_kernel.prefill_attention_serves(torch.float32, 64, cpu) == builds
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_backend_with_the_kernel_equals_sdpa_on_a_mixed_batch(page_size, monkeypatch):
+def test_backend_with_the_kernel_equals_sdpa_on_a_mixed_batch(page_size, dtype, monkeypatch):
     """Prefill chunks with and without a cached prefix next to decode rows, through
     TorchNativeBackend with the kernels and with SDPA only: the same attention."""
     flags = " ".join(f for f in cpu_kernel._cpu_flags().split() if not f.startswith("amx"))
@@ -122,7 +135,7 @@ def test_backend_with_the_kernel_equals_sdpa_on_a_mixed_batch(page_size, monkeyp
     per_row = -(-max(p + e for p, e in zip(prefix_lens, extend_lens)) // page_size)
     outputs = []
     for use_kernels in (True, False):
-        pool = KVPool(1, 4 * per_row + 8, page_size, 3, 64, torch.bfloat16)
+        pool = KVPool(1, 4 * per_row + 8, page_size, 3, 64, dtype)
         pool.k[0].copy_(torch.randn(pool.k[0].shape, generator=torch.Generator().manual_seed(1)))
         pool.v[0].copy_(torch.randn(pool.v[0].shape, generator=torch.Generator().manual_seed(2)))
         backend = TorchNativeBackend(pool, shape, use_cpu_kernel=use_kernels)
@@ -131,8 +144,8 @@ def test_backend_with_the_kernel_equals_sdpa_on_a_mixed_batch(page_size, monkeyp
         backend.plan(AttentionBatch(page_size, table, prefix_lens, extend_lens))
         tokens = sum(extend_lens)
         gen.manual_seed(5)
-        q = torch.randn(tokens, 9, 64, generator=gen).bfloat16()
-        k = torch.randn(tokens, 3, 64, generator=gen).bfloat16()
-        v = torch.randn(tokens, 3, 64, generator=gen).bfloat16()
+        q = torch.randn(tokens, 9, 64, generator=gen).to(dtype)
+        k = torch.randn(tokens, 3, 64, generator=gen).to(dtype)
+        v = torch.randn(tokens, 3, 64, generator=gen).to(dtype)
         outputs.append(backend.forward(q, k, v, 0).float())
-    assert (outputs[0] - outputs[1]).abs().max() < TOLERANCE
+    assert (outputs[0] - outputs[1]).abs().max() < TOLERANCE[dtype]

@@ -4,10 +4,11 @@
   memory: gathering each request's pages into a padded copy and then running
   `scaled_dot_product_attention` reads the whole context three times and writes it once; the
   kernel reads every K/V row once.
-- `prefill_attention`: causal attention of a prefill chunk over its paged context for bf16,
-  with the AVX-512 BF16 dot product. torch's CPU flash attention runs its block matmuls on
-  AMX tiles where the CPU has them, and through a generic bf16 gemm where it does not; there
-  this kernel is 2-2.5x faster, so it serves CPUs with AVX-512 BF16 and without AMX.
+- `prefill_attention`: causal attention of a prefill chunk over its paged context, tiles of
+  scores and outputs in AVX-512 registers (bf16 with the AVX-512 BF16 dot product). Against
+  torch's CPU flash attention at the default model's shape: bf16 2.2-2.5x faster, fp32 1.2-1.5x.
+  torch runs its bf16 block matmuls on AMX tiles where the CPU has them, so on AMX CPUs bf16
+  stays with torch.
 - `linear_f32`: fp32 linear layers over weights packed once into column panels
   (`pack_linear_f32`); MKL's sgemm repacks nn.Linear's weight on every call, which at decode
   batch sizes costs more than the arithmetic.
@@ -224,9 +225,10 @@ def paged_decode(
 
 
 def prefill_attention_serves(dtype: torch.dtype, head_dim: int, device: torch.device) -> bool:
-    """Whether `prefill_attention` serves this dtype and head size here and beats torch's
-    flash attention: bf16, head size 64 or 128, a CPU with AVX-512 BF16 and without AMX."""
-    if not supports(dtype, device) or "amx_bf16" in _cpu_flags().split():
+    """Whether `prefill_attention` serves this dtype and head size here, where it beats
+    torch's flash attention: a CPU with AVX-512 BF16; bf16 at head size 64 or 128 (not on AMX
+    CPUs), fp32 at head size 64."""
+    if not supports(dtype, device) or (dtype == torch.bfloat16 and "amx_bf16" in _cpu_flags().split()):
         return False
     return bool(load_library().prefill_attention_supported(head_dim, DTYPE_CODES[dtype]))
 
@@ -268,7 +270,7 @@ def prefill_attention(
     if failed == 1:
         raise MemoryError("the CPU prefill kernel could not allocate its scratch memory")
     if failed:
-        raise ValueError(f"the CPU prefill kernel does not serve {q.dtype} with head size {head_dim}")
+        raise ValueError(f"the CPU prefill kernel does not serve {str(q.dtype)[6:]} with head size {head_dim}")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -3,10 +3,10 @@
 Decode requests (one new token each) are attended in one call: on the CPU by the C kernel
 `radixserve.kernels.cpu.paged_decode`, which reads the pages in place; elsewhere, or without a
 C compiler, by one batched SDPA over their gathered, padded contexts. Requests with several new
-tokens (prefill chunks) are attended one by one: in bf16 on CPUs with AVX-512 BF16 and no AMX
-by the C kernel `prefill_attention` (pages read in place), otherwise by SDPA with a causal mask
-offset by the cached prefix. A request with no cached prefix attends straight over its new keys
-and values without touching the pool.
+tokens (prefill chunks) are attended one by one: on the CPU, where it is faster, by the C kernel
+`prefill_attention` (pages read in place; see `cpu_kernels.prefill_attention_serves`), else by
+SDPA with a causal mask offset by the cached prefix, where a request with no cached prefix
+attends straight over its new keys and values without touching the pool.
 """
 
 from __future__ import annotations
