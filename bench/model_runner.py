@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
 import time
 
 import torch
@@ -132,6 +133,24 @@ def _row(dtype: str, what: str, ours: float, hf: float) -> dict[str, object]:
     return {"dtype": dtype, "workload": what, "radixserve_tok_s": ours, "transformers_tok_s": hf, "ratio": ours / hf}
 
 
+def machine() -> str:
+    """The CPU the numbers were measured on: its model name and whether it has AMX (torch's
+    bf16 matmuls and attention run on AMX tiles where it does), which moves every ratio."""
+    model, flags = platform.processor() or "unknown CPU", []
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = line.split(":", 1)[1].split()
+                break
+    except OSError:
+        pass
+    amx = "AMX-bf16" if "amx_bf16" in flags else "no AMX"
+    bf16 = ", AVX-512 BF16" if "avx512_bf16" in flags else ""
+    return f"{model} ({amx}{bf16}), torch {torch.__version__}, {torch.get_num_threads()} threads"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
@@ -140,14 +159,15 @@ def main() -> None:
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args()
     rows = [r for d in args.dtypes for r in measure(d, args.decode_steps, args.repeats)]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(machine())
     print("| dtype | workload | radixserve tok/s | transformers tok/s | ratio |")
     print("|---|---|---:|---:|---:|")
     for r in rows:
         print(f"| {r['dtype']} | {r['workload']} | {r['radixserve_tok_s']:.1f} | {r['transformers_tok_s']:.1f} | {r['ratio']:.2f}x |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+            measured = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+            json.dump({"machine": machine(), "measured": measured, "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":
