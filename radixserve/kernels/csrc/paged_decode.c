@@ -16,7 +16,11 @@
  * G = H / Hkv query heads share every K/V row read: two passes over the context, scores (then
  * an exact softmax with the true max), then the weighted sum of V. Accumulation is in fp32
  * whatever the storage dtype. With AVX-512 and a head size of 64 or 128 the G queries and
- * accumulators live in registers (head_group_avx512); other shapes take the portable loop.
+ * accumulators live in registers (head_group_avx512; for bf16 with AVX-512 BF16,
+ * head_group_bf16, which multiplies bf16 pairs without widening them); other shapes take the
+ * portable loop. The first kv head's pass prefetches the task's whole rows into L2 ahead of
+ * itself (prefetch_context): the rows of a page are scattered from the next page's, and the
+ * hardware prefetcher alone reads them at half the memory's bandwidth.
  */
 #include <float.h>
 #include <math.h>
@@ -36,6 +40,7 @@ typedef struct {
     int dtype;
     /* per request */
     int64_t b, seq_len;
+    int64_t kv0, kv1;     /* the task's kv heads */
     const int64_t *slots; /* [seq_len] flat slot of each position */
 } Task;
 
@@ -111,7 +116,8 @@ static void head_group_portable(const Task *t, int64_t kvh, float *scratch) {
 
 #define MAX_GROUP 8  /* query heads per kv head served by the register path */
 #define MAX_CHUNKS 8 /* head size / 16 */
-#define PREFETCH_AHEAD 48
+#define PREFETCH_AHEAD 48 /* positions ahead: this head's row into L1 */
+#define CONTEXT_AHEAD 96  /* positions ahead: all the task's rows into L2 */
 
 static inline __attribute__((always_inline)) __m512 load16(const void *base, int dtype, int64_t offset) {
     if (dtype == DTYPE_BFLOAT16) {
@@ -128,6 +134,28 @@ static inline __attribute__((always_inline)) void prefetch_row(const void *pool,
     const char *p = (const char *)pool + offset * element_size(dtype);
     for (int64_t off = 0; off < D * element_size(dtype); off += 64)
         _mm_prefetch(p + off, _MM_HINT_T0);
+}
+
+/* The task's K and V rows of position i (all its kv heads: one contiguous run per slot) into
+ * L2. The first kv head's pass walks the context CONTEXT_AHEAD positions ahead of itself, so
+ * the later heads' passes find their rows in L2; it keeps many more lines in flight than the
+ * hardware prefetcher does, which loses the stream at every scattered page. */
+static inline __attribute__((always_inline)) void prefetch_position(const Task *t, int64_t i) {
+    const int64_t elem = element_size(t->dtype);
+    const int64_t offset = (t->slots[i] * t->Hkv + t->kv0) * t->D * elem, bytes = (t->kv1 - t->kv0) * t->D * elem;
+    for (int64_t off = 0; off < bytes; off += 64) {
+        _mm_prefetch((const char *)t->k_pool + offset + off, _MM_HINT_T1);
+        _mm_prefetch((const char *)t->v_pool + offset + off, _MM_HINT_T1);
+    }
+}
+
+/* Called by every kv head's pass over K at position i; only the first head's pass prefetches
+ * (its first call asks for the first CONTEXT_AHEAD positions at once). */
+static inline __attribute__((always_inline)) void prefetch_context(const Task *t, int64_t kvh, int64_t i) {
+    if (kvh != t->kv0) return;
+    if (i == 0)
+        for (int64_t ahead = 0; ahead < CONTEXT_AHEAD && ahead < t->seq_len; ahead++) prefetch_position(t, ahead);
+    if (i + CONTEXT_AHEAD < t->seq_len) prefetch_position(t, i + CONTEXT_AHEAD);
 }
 
 /* One kv head with G query heads of CH 16-float chunks each. Always inlined with constant G
@@ -147,6 +175,7 @@ static inline __attribute__((always_inline)) void head_group_avx512(const Task *
 
     for (int64_t i = 0; i < L; i++) {
         const int64_t row = (t->slots[i] * Hkv + kvh) * D;
+        prefetch_context(t, kvh, i);
         if (i + PREFETCH_AHEAD < L) prefetch_row(t->k_pool, dtype, (t->slots[i + PREFETCH_AHEAD] * Hkv + kvh) * D, D);
         __m512 k[MAX_CHUNKS];
         for (int c = 0; c < CH; c++) k[c] = load16(t->k_pool, dtype, row + 16 * c);
@@ -176,16 +205,112 @@ static inline __attribute__((always_inline)) void head_group_avx512(const Task *
     store_output(t, kvh, qf, sums);
 }
 
+#ifdef __AVX512BF16__
+/* bf16 with the AVX-512 BF16 dot product (vdpbf16ps: 16 lanes, each the sum of a pair of bf16
+ * products): q.k reads K rows as they are stored (no widening to fp32) and scales in fp32
+ * afterwards; P.V takes two positions per step, the weights rounded to bf16 as torch's bf16
+ * attention does, V rows interleaved in pairs. Halves the arithmetic of the fp32 path. CH32 is
+ * the number of 32-element chunks of a row. */
+static inline __attribute__((always_inline)) void head_group_bf16(const Task *t, int64_t kvh,
+                                                                  float *scores, const int G,
+                                                                  const int CH32) {
+    const int64_t D = t->D, L = t->seq_len, Hkv = t->Hkv;
+    const uint16_t *k_pool = t->k_pool, *v_pool = t->v_pool;
+    __m512i qv[MAX_GROUP * MAX_CHUNKS / 2];
+    __m512 acc[MAX_GROUP * MAX_CHUNKS];
+    float maxes[MAX_GROUP], sums[MAX_GROUP], unscaled[MAX_GROUP * MAX_CHUNKS * 16];
+    for (int g = 0; g < G; g++) {
+        maxes[g] = -FLT_MAX;
+        const uint16_t *q = (const uint16_t *)t->q + t->b * t->q_row_stride + (kvh * G + g) * D;
+        for (int c = 0; c < CH32; c++) qv[g * CH32 + c] = _mm512_loadu_si512(q + 32 * c);
+    }
+
+    for (int64_t i = 0; i < L; i++) {
+        const uint16_t *row = k_pool + (t->slots[i] * Hkv + kvh) * D;
+        prefetch_context(t, kvh, i);
+        if (i + PREFETCH_AHEAD < L) prefetch_row(k_pool, DTYPE_BFLOAT16, (t->slots[i + PREFETCH_AHEAD] * Hkv + kvh) * D, D);
+        __m512i k[MAX_CHUNKS / 2];
+        for (int c = 0; c < CH32; c++) k[c] = _mm512_loadu_si512(row + 32 * c);
+        for (int g = 0; g < G; g++) {
+            __m512 s = _mm512_setzero_ps();
+            for (int c = 0; c < CH32; c++) s = _mm512_dpbf16_ps(s, (__m512bh)qv[g * CH32 + c], (__m512bh)k[c]);
+            const float score = _mm512_reduce_add_ps(s) * t->scale;
+            scores[g * L + i] = score;
+            maxes[g] = score > maxes[g] ? score : maxes[g];
+        }
+    }
+
+    softmax_weights(scores, maxes, sums, G, L);
+    /* the weights as bf16 pairs (position 2j, 2j + 1), a zero after an odd last position */
+    const int64_t pairs = (L + 1) / 2;
+    uint32_t *weights = (uint32_t *)(scores + G * L);
+    for (int g = 0; g < G; g++) {
+        uint16_t *w = (uint16_t *)(weights + g * pairs);
+        for (int64_t i = 0; i < L; i++) w[i] = float_to_bf16(scores[g * L + i]);
+        if (L % 2) w[L] = 0;
+    }
+
+    for (int j = 0; j < G * 2 * CH32; j++) acc[j] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < pairs; j++) {
+        const int64_t i = 2 * j;
+        const uint16_t *a = v_pool + (t->slots[i] * Hkv + kvh) * D;
+        const uint16_t *b = i + 1 < L ? v_pool + (t->slots[i + 1] * Hkv + kvh) * D : NULL;
+        for (int64_t ahead = i + PREFETCH_AHEAD; ahead < i + PREFETCH_AHEAD + 2 && ahead < L; ahead++)
+            prefetch_row(v_pool, DTYPE_BFLOAT16, (t->slots[ahead] * Hkv + kvh) * D, D);
+        __m512i lo[MAX_CHUNKS / 2], hi[MAX_CHUNKS / 2];
+        for (int c = 0; c < CH32; c++) {
+            const __m512i va = _mm512_loadu_si512(a + 32 * c);
+            const __m512i vb = b != NULL ? _mm512_loadu_si512(b + 32 * c) : _mm512_setzero_si512();
+            /* per 128-bit lane l: lo holds elements 8l .. 8l+3 of a and b interleaved, hi 8l+4 .. 8l+7 */
+            lo[c] = _mm512_unpacklo_epi16(va, vb);
+            hi[c] = _mm512_unpackhi_epi16(va, vb);
+        }
+        for (int g = 0; g < G; g++) {
+            const __m512bh w = (__m512bh)_mm512_set1_epi32((int)weights[g * pairs + j]);
+            for (int c = 0; c < CH32; c++) {
+                acc[(g * CH32 + c) * 2] = _mm512_dpbf16_ps(acc[(g * CH32 + c) * 2], w, (__m512bh)lo[c]);
+                acc[(g * CH32 + c) * 2 + 1] = _mm512_dpbf16_ps(acc[(g * CH32 + c) * 2 + 1], w, (__m512bh)hi[c]);
+            }
+        }
+    }
+    /* back to element order: 128-bit lane l of lo holds elements 8l .. 8l+3 of its chunk */
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < CH32; c++) {
+            float lanes[2][16];
+            _mm512_storeu_ps(lanes[0], acc[(g * CH32 + c) * 2]);
+            _mm512_storeu_ps(lanes[1], acc[(g * CH32 + c) * 2 + 1]);
+            float *dst = unscaled + g * D + 32 * c;
+            for (int l = 0; l < 4; l++)
+                for (int e = 0; e < 4; e++) {
+                    dst[8 * l + e] = lanes[0][4 * l + e];
+                    dst[8 * l + 4 + e] = lanes[1][4 * l + e];
+                }
+        }
+    store_output(t, kvh, unscaled, sums);
+}
+#endif
+
 /* The register path for this shape, instantiated for head sizes 64 and 128 and G <= 8;
  * returns 0 when the shape is not one of them. */
 static int head_group_fast(const Task *t, int64_t kvh, float *scores) {
     const int64_t G = t->H / t->Hkv, CH = t->D / 16;
     if (t->D % 16 != 0) return 0;
+#ifdef __AVX512BF16__
+#define SHAPE(g, ch)                                          \
+    if (G == g && CH == ch) {                                 \
+        if (t->dtype == DTYPE_BFLOAT16)                       \
+            head_group_bf16(t, kvh, scores, g, ch / 2);       \
+        else                                                  \
+            head_group_avx512(t, kvh, scores, g, ch);         \
+        return 1;                                             \
+    }
+#else
 #define SHAPE(g, ch)                                  \
     if (G == g && CH == ch) {                         \
         head_group_avx512(t, kvh, scores, g, ch);     \
         return 1;                                     \
     }
+#endif
     SHAPE(1, 4) SHAPE(2, 4) SHAPE(3, 4) SHAPE(4, 4) SHAPE(5, 4) SHAPE(6, 4) SHAPE(7, 4) SHAPE(8, 4)
     SHAPE(1, 8) SHAPE(2, 8) SHAPE(3, 8) SHAPE(4, 8) SHAPE(5, 8) SHAPE(6, 8) SHAPE(7, 8) SHAPE(8, 8)
 #undef SHAPE
@@ -204,6 +329,7 @@ static void attend(Task *task, const int64_t *pages, int64_t page_size, int64_t 
     const int64_t L = task->seq_len, D = task->D, Hkv = task->Hkv;
     for (int64_t i = 0; i < L; i++) slots[i] = pages[i / page_size] * page_size + i % page_size;
     task->slots = slots;
+    task->kv0 = kv0, task->kv1 = kv1;
     if (task->k_new != NULL) {
         const size_t elem = element_size(task->dtype), bytes = (kv1 - kv0) * D * elem;
         const int64_t dst = (slots[L - 1] * Hkv + kv0) * D * elem, b = task->b;
@@ -233,9 +359,10 @@ int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_ne
     const int64_t heads_per_task = B >= 4 * num_threads ? Hkv : 1;
     const int64_t tasks_per_request = Hkv / heads_per_task;
     const int64_t G = H / Hkv;
-    const size_t scratch_floats = (size_t)(2 * G * D + G * max_len);
+    /* q and accumulators, scores, and (bf16) the weights rounded in pairs */
+    const size_t scratch_floats = (size_t)(2 * G * D + 2 * G * (max_len + 1));
     const Task call = {q, k_new, v_new, q_row_stride, k_row_stride, v_row_stride, k_pool, v_pool,
-                       out, H, Hkv, D, scale, dtype, 0, 0, NULL};
+                       out, H, Hkv, D, scale, dtype, 0, 0, 0, 0, NULL};
     int failed = 0;
 
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
