@@ -19,8 +19,8 @@
  * accumulators live in registers (head_group_avx512; for bf16 with AVX-512 BF16,
  * head_group_bf16, which multiplies bf16 pairs without widening them); other shapes take the
  * portable loop. The first kv head's pass prefetches the task's whole rows into L2 ahead of
- * itself (prefetch_context): the rows of a page are scattered from the next page's, and the
- * hardware prefetcher alone reads them at half the memory's bandwidth.
+ * itself (prefetch_context), and the last one the next request's (prefetch_next): pages are
+ * scattered, and the hardware prefetcher alone reads them at half the memory's bandwidth.
  */
 #include <float.h>
 #include <math.h>
@@ -40,8 +40,10 @@ typedef struct {
     int dtype;
     /* per request */
     int64_t b, seq_len;
-    int64_t kv0, kv1;     /* the task's kv heads */
-    const int64_t *slots; /* [seq_len] flat slot of each position */
+    int64_t kv0, kv1;          /* the task's kv heads */
+    const int64_t *slots;      /* [seq_len] flat slot of each position */
+    const int64_t *next_pages; /* page ids of the request this thread likely takes next, or NULL */
+    int64_t next_len, page_size;
 } Task;
 
 /* Pre-scaled fp32 queries of kv head `kvh`: qf[g * D + d]. */
@@ -136,17 +138,30 @@ static inline __attribute__((always_inline)) void prefetch_row(const void *pool,
         _mm_prefetch(p + off, _MM_HINT_T0);
 }
 
+/* `count` elements of both pools from element `offset` on, into L2. */
+static inline __attribute__((always_inline)) void prefetch_pools_l2(const Task *t, int64_t offset, int64_t count) {
+    const int64_t elem = element_size(t->dtype);
+    for (int64_t byte = offset * elem; byte < (offset + count) * elem; byte += 64) {
+        _mm_prefetch((const char *)t->k_pool + byte, _MM_HINT_T1);
+        _mm_prefetch((const char *)t->v_pool + byte, _MM_HINT_T1);
+    }
+}
+
 /* The task's K and V rows of position i (all its kv heads: one contiguous run per slot) into
  * L2. The first kv head's pass walks the context CONTEXT_AHEAD positions ahead of itself, so
  * the later heads' passes find their rows in L2; it keeps many more lines in flight than the
  * hardware prefetcher does, which loses the stream at every scattered page. */
 static inline __attribute__((always_inline)) void prefetch_position(const Task *t, int64_t i) {
-    const int64_t elem = element_size(t->dtype);
-    const int64_t offset = (t->slots[i] * t->Hkv + t->kv0) * t->D * elem, bytes = (t->kv1 - t->kv0) * t->D * elem;
-    for (int64_t off = 0; off < bytes; off += 64) {
-        _mm_prefetch((const char *)t->k_pool + offset + off, _MM_HINT_T1);
-        _mm_prefetch((const char *)t->v_pool + offset + off, _MM_HINT_T1);
-    }
+    prefetch_pools_l2(t, (t->slots[i] * t->Hkv + t->kv0) * t->D, (t->kv1 - t->kv0) * t->D);
+}
+
+/* The rows of position i of the request this thread will likely take next into L2, from the
+ * last kv head's pass over K (the data of the current request is in L2 by then), so the next
+ * request's first pass does not start by waiting for memory. */
+static inline __attribute__((always_inline)) void prefetch_next(const Task *t, int64_t kvh, int64_t i) {
+    if (kvh != t->kv1 - 1 || kvh == t->kv0 || t->next_pages == NULL || i >= t->next_len) return;
+    const int64_t slot = t->next_pages[i / t->page_size] * t->page_size + i % t->page_size;
+    prefetch_pools_l2(t, slot * t->Hkv * t->D, t->Hkv * t->D);
 }
 
 /* Called by every kv head's pass over K at position i; only the first head's pass prefetches
@@ -176,6 +191,7 @@ static inline __attribute__((always_inline)) void head_group_avx512(const Task *
     for (int64_t i = 0; i < L; i++) {
         const int64_t row = (t->slots[i] * Hkv + kvh) * D;
         prefetch_context(t, kvh, i);
+        prefetch_next(t, kvh, i);
         if (i + PREFETCH_AHEAD < L) prefetch_row(t->k_pool, dtype, (t->slots[i + PREFETCH_AHEAD] * Hkv + kvh) * D, D);
         __m512 k[MAX_CHUNKS];
         for (int c = 0; c < CH; c++) k[c] = load16(t->k_pool, dtype, row + 16 * c);
@@ -228,6 +244,7 @@ static inline __attribute__((always_inline)) void head_group_bf16(const Task *t,
     for (int64_t i = 0; i < L; i++) {
         const uint16_t *row = k_pool + (t->slots[i] * Hkv + kvh) * D;
         prefetch_context(t, kvh, i);
+        prefetch_next(t, kvh, i);
         if (i + PREFETCH_AHEAD < L) prefetch_row(k_pool, DTYPE_BFLOAT16, (t->slots[i + PREFETCH_AHEAD] * Hkv + kvh) * D, D);
         __m512i k[MAX_CHUNKS / 2];
         for (int c = 0; c < CH32; c++) k[c] = _mm512_loadu_si512(row + 32 * c);
@@ -362,7 +379,7 @@ int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_ne
     /* q and accumulators, scores, and (bf16) the weights rounded in pairs */
     const size_t scratch_floats = (size_t)(2 * G * D + 2 * G * (max_len + 1));
     const Task call = {q, k_new, v_new, q_row_stride, k_row_stride, v_row_stride, k_pool, v_pool,
-                       out, H, Hkv, D, scale, dtype, 0, 0, 0, 0, NULL};
+                       out, H, Hkv, D, scale, dtype, 0, 0, 0, 0, NULL, NULL, 0, 0};
     int failed = 0;
 
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
@@ -375,6 +392,13 @@ int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_ne
             if (failed) continue;
             Task task = call;
             task.b = index / tasks_per_request;
+            /* tasks are handed out in order: a thread's next request is about num_threads on */
+            const int64_t next = task.b + num_threads;
+            if (heads_per_task == Hkv && next < B) {
+                task.next_pages = page_table + next * pt_stride;
+                task.next_len = seq_lens[next];
+                task.page_size = page_size;
+            }
             task.seq_len = seq_lens[task.b];
             const int64_t kv0 = (index % tasks_per_request) * heads_per_task;
             attend(&task, page_table + task.b * pt_stride, page_size, kv0, kv0 + heads_per_task,
