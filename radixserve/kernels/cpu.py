@@ -9,9 +9,10 @@
   torch's CPU flash attention at the default model's shape: bf16 2.2-2.5x faster, fp32 1.2-1.5x.
   torch runs its bf16 block matmuls on AMX tiles where the CPU has them, so on AMX CPUs bf16
   stays with torch.
-- `linear_f32`: fp32 linear layers over weights packed once into column panels
-  (`pack_linear_f32`); MKL's sgemm repacks nn.Linear's weight on every call, which at decode
-  batch sizes costs more than the arithmetic.
+- `linear`: fp32 and bf16 linear layers over weights packed once into column panels
+  (`pack_linear`); MKL's sgemm repacks nn.Linear's weight on every call, which at decode batch
+  sizes costs more than the arithmetic, and oneDNN's bf16 kernels without AMX stream the
+  weights slower than this kernel does.
 - `rms_norm`, `rotary`, `silu_mul`: RMSNorm, rotary embedding and the MLP activation of fp32
   or bf16 rows in one call each (torch needs eight, six and two small ops, which at decode
   batch sizes cost more than their arithmetic).
@@ -108,10 +109,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.rotary.restype = None
     lib.silu_mul.argtypes = [ptr, ptr, i64, i64, cint, cint]
     lib.silu_mul.restype = None
-    lib.linear_f32.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, cint]
-    lib.linear_f32.restype = None
-    lib.linear_f32_panel_width.argtypes = []
-    lib.linear_f32_panel_width.restype = cint
+    lib.linear.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, cint, cint]
+    lib.linear.restype = None
+    lib.linear_panel_width.argtypes = []
+    lib.linear_panel_width.restype = cint
+    lib.linear_serves.argtypes = [cint]
+    lib.linear_serves.restype = cint
 
 
 @functools.cache
@@ -224,11 +227,17 @@ def paged_decode(
     return out
 
 
+def has_amx() -> bool:
+    """Whether the CPU has AMX-bf16, on which torch runs bf16 matmuls and attention blocks
+    (there radixserve's bf16 kernels for those step aside)."""
+    return "amx_bf16" in _cpu_flags().split()
+
+
 def prefill_attention_serves(dtype: torch.dtype, head_dim: int, device: torch.device) -> bool:
     """Whether `prefill_attention` serves this dtype and head size here, where it beats
     torch's flash attention: a CPU with AVX-512 BF16; bf16 at head size 64 or 128 (not on AMX
     CPUs), fp32 at head size 64."""
-    if not supports(dtype, device) or (dtype == torch.bfloat16 and "amx_bf16" in _cpu_flags().split()):
+    if not supports(dtype, device) or (dtype == torch.bfloat16 and has_amx()):
         return False
     return bool(load_library().prefill_attention_supported(head_dim, DTYPE_CODES[dtype]))
 
@@ -334,26 +343,41 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def pack_linear_f32(weight: torch.Tensor) -> torch.Tensor:
-    """nn.Linear's fp32 weight [N, K] -> the panels `linear_f32` reads: [ceil(N / P), K, P],
-    P output columns each, zero past N. Only call after `supports(fp32, cpu)`."""
+def linear_serves(dtype: torch.dtype, in_features: int) -> bool:
+    """Whether `linear` serves weights of this dtype and input size here: fp32 always, bf16
+    with AVX-512 BF16 and an even input size (it multiplies pairs), not on AMX CPUs."""
+    if not supports(dtype, torch.device("cpu")):
+        return False
+    if dtype == torch.bfloat16 and (in_features % 2 or has_amx()):
+        return False
+    return bool(load_library().linear_serves(DTYPE_CODES[dtype]))
+
+
+def pack_linear(weight: torch.Tensor) -> torch.Tensor:
+    """nn.Linear's weight [N, K] -> the panels `linear` reads, as 32-bit words, P = the panel
+    width, zero past N: fp32 [ceil(N / P), K, P]; bf16 [ceil(N / P), K / 2, P] int32, each word
+    the pair W[n, 2k], W[n, 2k + 1]. Only call after `linear_serves` said yes."""
     lib = load_library()
-    assert lib is not None and weight.dtype == torch.float32 and weight.dim() == 2
-    width = lib.linear_f32_panel_width()
+    assert lib is not None and weight.dim() == 2
+    width = lib.linear_panel_width()
     padding = -weight.shape[0] % width
     padded = torch.nn.functional.pad(weight, (0, 0, 0, padding)) if padding else weight
+    if weight.dtype == torch.bfloat16:
+        pairs = padded.contiguous().view(torch.int32)  # [N, K / 2]: the pairs, in memory order
+        return pairs.reshape(-1, width, weight.shape[1] // 2).transpose(1, 2).contiguous()
     return padded.reshape(-1, width, weight.shape[1]).transpose(1, 2).contiguous()
 
 
-def linear_f32(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    """x [..., K] @ W.T + bias in fp32, W given as `pack_linear_f32(W)`."""
+def linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, in_features: int,
+           out_features: int) -> torch.Tensor:
+    """x [..., K] @ W.T + bias in x's dtype, W given as `pack_linear(W)`."""
     lib = load_library()
-    assert lib is not None and x.dtype == panels.dtype == torch.float32
-    in_features = panels.shape[1]
+    assert lib is not None and x.dtype in DTYPE_CODES
     rows = _row_matrix(x, in_features)
     if bias is not None:
         bias = _dense(bias)
     out = torch.empty((rows.shape[0], out_features), dtype=x.dtype)
-    lib.linear_f32(rows.data_ptr(), rows.stride(0), panels.data_ptr(), None if bias is None else bias.data_ptr(),
-                   out.data_ptr(), rows.shape[0], in_features, out_features, torch.get_num_threads())
+    lib.linear(rows.data_ptr(), rows.stride(0), panels.data_ptr(), None if bias is None else bias.data_ptr(),
+               out.data_ptr(), rows.shape[0], in_features, out_features, DTYPE_CODES[x.dtype],
+               torch.get_num_threads())
     return out.view(*x.shape[:-1], out_features)

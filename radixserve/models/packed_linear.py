@@ -4,9 +4,11 @@ A plain `F.linear` on the CPU hands the matmul library nn.Linear's row-major wei
 reorders into its own blocked layout on every call: at decode batch sizes that reorder costs
 more than the arithmetic. Packing once removes it (bench/model_runner.py measures the step):
 
-- bf16: oneDNN's packed layout (its AMX/AVX-512 kernels); bit-identical to `F.linear`.
-- fp32: column panels for radixserve's own kernel (`radixserve.kernels.cpu.linear_f32`); the
-  same dot products summed in another order than MKL's, so equal to `F.linear` to a few ulps.
+- column panels for radixserve's own kernel (`radixserve.kernels.cpu.linear`): fp32 always, and
+  bf16 on CPUs with AVX-512 BF16 but no AMX; the same dot products summed in another order than
+  MKL's and oneDNN's, so equal to `F.linear` to a few fp32 ulps (bf16: before the rounding).
+- bf16 on AMX CPUs (or without AVX-512 BF16): oneDNN's packed layout, for its AMX kernels;
+  bit-identical to `F.linear`.
 
 The packed weight replaces the original (no second copy), except for a tied LM head, whose
 weight is also the embedding table. CUDA keeps nn.Linear: its kernels read the weight as is.
@@ -36,7 +38,7 @@ class PackedLinear(nn.Module):
 
 
 class OneDNNLinear(PackedLinear):
-    """bf16: oneDNN's packed weight."""
+    """bf16 on AMX CPUs: oneDNN's packed weight."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__(weight, bias)
@@ -47,24 +49,24 @@ class OneDNNLinear(PackedLinear):
 
 
 class PanelLinear(PackedLinear):
-    """fp32: column panels for radixserve's CPU kernel."""
+    """fp32, and bf16 without AMX: column panels for radixserve's CPU kernel."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__(weight, bias)
-        self.panels = cpu_kernels.pack_linear_f32(weight)
+        self.panels = cpu_kernels.pack_linear(weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_kernels.linear_f32(x, self.panels, self.bias, self.out_features)
+        return cpu_kernels.linear(x, self.panels, self.bias, self.in_features, self.out_features)
 
 
 def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> PackedLinear | None:
     """The packed form of a linear layer's weight here, or None where none applies."""
     if weight.device.type != "cpu":
         return None
+    if cpu_kernels.linear_serves(weight.dtype, weight.shape[1]):
+        return PanelLinear(weight, bias)
     if weight.dtype == torch.bfloat16 and _onednn_packs():
         return OneDNNLinear(weight, bias)
-    if weight.dtype == torch.float32 and cpu_kernels.supports(weight.dtype, weight.device):
-        return PanelLinear(weight, bias)
     return None
 
 

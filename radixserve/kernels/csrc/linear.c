@@ -1,0 +1,188 @@
+/* Linear layers on the CPU: y = x @ W^T + b with W prepacked into column panels, fp32 or bf16.
+ *
+ * At decode batch sizes (a few to a few hundred rows) a linear layer is bound by reading its
+ * weights, and MKL's sgemm, handed the row-major [N, K] weight of nn.Linear, repacks it on
+ * every call and streams it at well under the memory bandwidth. Here the weight is packed
+ * once, at load, into panels of PANEL consecutive output columns, as 32-bit words:
+ *
+ *   panels [ceil(N / PANEL), W, PANEL]   fp32: W = K, word (k, c) = W[p * PANEL + c, k]
+ *                                        bf16: W = K / 2, word (k, c) = the bf16 pair
+ *                                              W[p * PANEL + c, 2k], W[.., 2k + 1]
+ *   (zero past N)
+ *
+ * so each panel is one contiguous stream. For each tile of up to TILE_ROWS rows of x a thread
+ * keeps TILE_ROWS x PANEL fp32 sums in registers while sweeping the panel's words once (from
+ * L2 after the first tile), and it prefetches its next panel while it works. Rows are taken
+ * ROW_CHUNK at a time so the x rows a panel meets stay in cache. bf16 multiplies pairs with
+ * the AVX-512 BF16 dot product (vdpbf16ps), the layout oneDNN uses on CPUs without AMX, whose
+ * kernels spend more of their time on each small decode matmul than this streaming loop.
+ *
+ * Every output is one fp32 dot product summed in k order (bf16: in pairs), the bias added
+ * last, bf16 rounded once; MKL and oneDNN sum in other orders, so results differ from
+ * torch's in the last bits.
+ *
+ *   x [M, K] (rows x_row_stride elements apart), y [M, N] contiguous, bias [N] or NULL, all
+ *   of one dtype
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include <omp.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#include "dtypes.h"
+
+#define PANEL 64
+#define TILE_ROWS 6
+#define ROW_CHUNK 240
+
+int linear_panel_width(void) { return PANEL; }
+
+/* Whether this build serves the dtype: fp32 always, bf16 with AVX-512 BF16. */
+int linear_serves(int dtype) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    return dtype == DTYPE_FLOAT32 || dtype == DTYPE_BFLOAT16;
+#else
+    return dtype == DTYPE_FLOAT32;
+#endif
+}
+
+#ifdef __AVX512F__
+/* The m (<= TILE_ROWS) rows at x times one panel of `words` words, into y. m and DT are
+ * constants after inlining. */
+static inline __attribute__((always_inline)) void tile_avx512(
+    const void *x, int64_t x_stride, const uint32_t *panel, int64_t words, const void *bias, void *y,
+    int64_t N, int64_t columns_left, const char *prefetch, int64_t prefetch_lines, const int m, const int DT) {
+    __m512 acc[TILE_ROWS][4];
+    for (int i = 0; i < m; i++)
+        for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_ps();
+    int64_t due = 0; /* prefetch_lines cache lines spread evenly over the steps */
+    for (int64_t k = 0; k < words; k++) {
+        for (due += prefetch_lines; due >= words; due -= words, prefetch += 64) _mm_prefetch(prefetch, _MM_HINT_T1);
+        const uint32_t *row = panel + k * PANEL;
+        __m512i w[4];
+        for (int j = 0; j < 4; j++) w[j] = _mm512_loadu_si512(row + 16 * j);
+        for (int i = 0; i < m; i++) {
+            /* word k of x's row i: one fp32, or a bf16 pair */
+            const __m512i a = _mm512_set1_epi32(((const int32_t *)((const char *)x + i * x_stride * element_size(DT)))[k]);
+            for (int j = 0; j < 4; j++) {
+#ifdef __AVX512BF16__
+                if (DT == DTYPE_BFLOAT16) {
+                    acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)a, (__m512bh)w[j]);
+                    continue;
+                }
+#endif
+                acc[i][j] = _mm512_fmadd_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(w[j]), acc[i][j]);
+            }
+        }
+    }
+    for (int j = 0; j < 4; j++) {
+        const int64_t left = columns_left - 16 * j;
+        const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
+        if (DT == DTYPE_BFLOAT16) {
+            const __m512 b = bias == NULL ? _mm512_setzero_ps()
+                : _mm512_castsi512_ps(_mm512_slli_epi32(
+                      _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, (const uint16_t *)bias + 16 * j)), 16));
+            for (int i = 0; i < m; i++) {
+                const __m512 sum = _mm512_add_ps(acc[i][j], b);
+                /* round to nearest even, as torch's float -> bf16 */
+                const __m512i bits = _mm512_castps_si512(sum);
+                const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+                const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+                _mm256_mask_storeu_epi16((uint16_t *)y + i * N + 16 * j, mask, _mm512_cvtepi32_epi16(rounded));
+            }
+        } else {
+            const __m512 b = bias != NULL ? _mm512_maskz_loadu_ps(mask, (const float *)bias + 16 * j) : _mm512_setzero_ps();
+            for (int i = 0; i < m; i++)
+                _mm512_mask_storeu_ps((float *)y + i * N + 16 * j, mask, bias != NULL ? _mm512_add_ps(acc[i][j], b) : acc[i][j]);
+        }
+    }
+}
+
+/* One specialised copy per row count and dtype: the tile's loops fully unrolled. */
+#define TILE_FOR(DT)                                                                                     \
+    switch (m) {                                                                                         \
+    case 6: tile_avx512(x, x_stride, panel, words, bias, y, N, columns_left, prefetch, lines, 6, DT); return; \
+    case 5: tile_avx512(x, x_stride, panel, words, bias, y, N, columns_left, prefetch, lines, 5, DT); return; \
+    case 4: tile_avx512(x, x_stride, panel, words, bias, y, N, columns_left, prefetch, lines, 4, DT); return; \
+    case 3: tile_avx512(x, x_stride, panel, words, bias, y, N, columns_left, prefetch, lines, 3, DT); return; \
+    case 2: tile_avx512(x, x_stride, panel, words, bias, y, N, columns_left, prefetch, lines, 2, DT); return; \
+    default: tile_avx512(x, x_stride, panel, words, bias, y, N, columns_left, prefetch, lines, 1, DT); return; \
+    }
+
+static void tile(const void *x, int64_t x_stride, const uint32_t *panel, int64_t words, const void *bias,
+                 void *y, int64_t N, int64_t columns_left, const char *prefetch, int64_t lines, int m, int dtype) {
+#ifdef __AVX512BF16__
+    if (dtype == DTYPE_BFLOAT16) {
+        TILE_FOR(DTYPE_BFLOAT16)
+    }
+#endif
+    (void)dtype;
+    TILE_FOR(DTYPE_FLOAT32)
+}
+#undef TILE_FOR
+#else
+/* The portable tile (fp32 only): the same sums in the same order, left to the compiler to
+ * vectorise. */
+static void tile(const void *x_, int64_t x_stride, const uint32_t *panel_, int64_t K, const void *bias_,
+                 void *y_, int64_t N, int64_t columns_left, const char *prefetch, int64_t lines, int m, int dtype) {
+    (void)prefetch, (void)lines, (void)dtype;
+    const float *x = x_, *panel = (const float *)panel_, *bias = bias_;
+    float *y = y_;
+    float acc[TILE_ROWS][PANEL];
+    memset(acc, 0, sizeof acc);
+    for (int64_t k = 0; k < K; k++) {
+        const float *row = panel + k * PANEL;
+        for (int i = 0; i < m; i++) {
+            const float a = x[i * x_stride + k];
+#pragma omp simd
+            for (int c = 0; c < PANEL; c++) acc[i][c] += a * row[c];
+        }
+    }
+    const int64_t width = columns_left < PANEL ? columns_left : PANEL;
+    for (int i = 0; i < m; i++)
+        for (int64_t c = 0; c < width; c++) y[i * N + c] = acc[i][c] + (bias != NULL ? bias[c] : 0.0f);
+}
+#endif
+
+/* Only call for a dtype `linear_serves`; bf16 needs an even K. */
+void linear(const void *x, int64_t x_row_stride, const uint32_t *panels, const void *bias, void *y,
+            int64_t M, int64_t K, int64_t N, int dtype, int num_threads) {
+    const int64_t elem = element_size(dtype), words = K * elem / 4;
+    const int64_t num_panels = (N + PANEL - 1) / PANEL;
+    const int64_t panel_lines = words * PANEL * 4 / 64;
+#pragma omp parallel num_threads(num_threads) if (M * K * N >= 1 << 18)
+    for (int64_t r0 = 0; r0 < M; r0 += ROW_CHUNK) {
+        const int64_t r1 = r0 + ROW_CHUNK < M ? r0 + ROW_CHUNK : M;
+        const int64_t tiles = (r1 - r0 + TILE_ROWS - 1) / TILE_ROWS;
+        /* Work items are (panel, share of its tiles), panel-major, so each thread streams a
+         * run of panels; with few panels each is split into shares so the threads stay
+         * evenly loaded (a split panel is read by two threads, the second from L3). */
+        const int64_t wanted = 8 * (int64_t)omp_get_num_threads();
+        int64_t shares = num_panels >= wanted ? 1 : (wanted + num_panels - 1) / num_panels;
+        if (shares > tiles) shares = tiles;
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < num_panels * shares; item++) {
+            const int64_t p = item / shares, share = item % shares;
+            const int64_t t0 = tiles * share / shares, t1 = tiles * (share + 1) / shares;
+            const uint32_t *panel = panels + p * words * PANEL;
+            /* this item's tiles prefetch the next panel into L2 between them, each its part
+             * of the cache lines spread over its steps */
+            const int64_t lines_per_tile = (panel_lines + (t1 - t0) - 1) / (t1 - t0);
+            for (int64_t t = t0; t < t1; t++) {
+                const int64_t row = r0 + t * TILE_ROWS;
+                const int rows = r1 - row < TILE_ROWS ? (int)(r1 - row) : TILE_ROWS;
+                const int64_t first = (t - t0) * lines_per_tile;
+                const int64_t count = p + 1 == num_panels || first >= panel_lines ? 0
+                                      : first + lines_per_tile > panel_lines ? panel_lines - first
+                                      : lines_per_tile;
+                const char *prefetch = (const char *)(panel + words * PANEL) + 64 * first;
+                tile((const char *)x + row * x_row_stride * elem, x_row_stride, panel, words,
+                     bias == NULL ? NULL : (const char *)bias + p * PANEL * elem,
+                     (char *)y + (row * N + p * PANEL) * elem, N, N - p * PANEL, prefetch, count, rows, dtype);
+            }
+        }
+    }
+}
