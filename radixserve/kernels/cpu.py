@@ -227,10 +227,15 @@ def paged_decode(
     return out
 
 
+def cpu_has(flag: str) -> bool:
+    """Whether /proc/cpuinfo lists this feature flag (e.g. "avx512_bf16")."""
+    return flag in _cpu_flags().split()
+
+
 def has_amx() -> bool:
     """Whether the CPU has AMX-bf16, on which torch runs bf16 matmuls and attention blocks
     (there radixserve's bf16 kernels for those step aside)."""
-    return "amx_bf16" in _cpu_flags().split()
+    return cpu_has("amx_bf16")
 
 
 def prefill_attention_serves(dtype: torch.dtype, head_dim: int, device: torch.device) -> bool:

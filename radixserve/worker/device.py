@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from radixserve.kernels.cpu import cpu_has
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -18,11 +20,7 @@ def resolve_device(name: str) -> torch.device:
 
 def cpu_has_fast_bf16() -> bool:
     """AMX or AVX512-BF16: bf16 matmuls run several times faster than fp32 (see docs/models.md)."""
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
+    return cpu_has("amx_bf16") or cpu_has("avx512_bf16")
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
