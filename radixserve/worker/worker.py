@@ -66,8 +66,7 @@ class Worker:
         log.info(
             "worker ready: model %s, %s on %s, %s attention%s, KV pool %d pages x %d tokens (%.2f GiB)",
             self.model_path, dtype_name(self.dtype), self.device, type(backend).__name__,
-            ", decode CUDA graphs" if self.runner.graphs is not None
-            else " (CPU decode kernel)" if getattr(backend, "uses_cpu_kernel", False) else "",
+            ", decode CUDA graphs" if self.runner.graphs is not None else _cpu_kernels_used(backend),
             num_pages, config.page_size, num_pages * page_bytes / 2**30,
         )
 
@@ -144,3 +143,12 @@ class Worker:
         lp = token_logprobs(rows, torch.tensor(targets, device=rows.device), [top_n] * len(targets))
         result.input_logprobs = lp.logprobs
         result.input_top_logprobs = lp.top
+
+
+def _cpu_kernels_used(backend: object) -> str:
+    """' (CPU decode and prefill kernels)' or the part that applies, for the ready log line."""
+    used = [name for name, flag in (("decode", "uses_cpu_kernel"), ("prefill", "uses_prefill_kernel"))
+            if getattr(backend, flag, False)]
+    if not used:
+        return ""
+    return f" (CPU {' and '.join(used)} kernel{'s' if len(used) > 1 else ''})"
