@@ -18,6 +18,7 @@ import time
 import torch
 
 from bench.baselines import StepClock
+from radixserve.kernels import cpu as cpu_kernels
 from radixserve.models.loader import load_model
 from radixserve.models.resolve import resolve_model
 from radixserve.protocol import SamplingParams
@@ -136,18 +137,14 @@ def _row(dtype: str, what: str, ours: float, hf: float) -> dict[str, object]:
 def machine() -> str:
     """The CPU the numbers were measured on: its model name and whether it has AMX (torch's
     bf16 matmuls and attention run on AMX tiles where it does), which moves every ratio."""
-    model, flags = platform.processor() or "unknown CPU", []
+    model = platform.processor() or "unknown CPU"
     try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = line.split(":", 1)[1].split()
-                break
+        with open("/proc/cpuinfo") as info:
+            model = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), model)
     except OSError:
         pass
-    amx = "AMX-bf16" if "amx_bf16" in flags else "no AMX"
-    bf16 = ", AVX-512 BF16" if "avx512_bf16" in flags else ""
+    amx = "AMX-bf16" if cpu_kernels.cpu_has("amx_bf16") else "no AMX"
+    bf16 = ", AVX-512 BF16" if cpu_kernels.cpu_has("avx512_bf16") else ""
     return f"{model} ({amx}{bf16}), torch {torch.__version__}, {torch.get_num_threads()} threads"
 
 

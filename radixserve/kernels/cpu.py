@@ -60,6 +60,7 @@ def _sources() -> list[Path]:
     return sorted(SOURCE_DIR.glob("*.c"))
 
 
+@functools.cache
 def _cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -284,7 +285,7 @@ def prefill_attention(
     if failed == 1:
         raise MemoryError("the CPU prefill kernel could not allocate its scratch memory")
     if failed:
-        raise ValueError(f"the CPU prefill kernel does not serve {str(q.dtype)[6:]} with head size {head_dim}")
+        raise ValueError(f"the CPU prefill kernel does not serve {str(q.dtype).removeprefix('torch.')} with head size {head_dim}")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -307,27 +307,28 @@ static inline __attribute__((always_inline)) void head_group_bf16(const Task *t,
 }
 #endif
 
+/* The register path of a (G, CH) shape: bf16 pairs where the CPU multiplies them, else fp32. */
+static inline __attribute__((always_inline)) void head_group_registers(const Task *t, int64_t kvh, float *scores,
+                                                                       const int G, const int CH) {
+#ifdef __AVX512BF16__
+    if (t->dtype == DTYPE_BFLOAT16) {
+        head_group_bf16(t, kvh, scores, G, CH / 2);
+        return;
+    }
+#endif
+    head_group_avx512(t, kvh, scores, G, CH);
+}
+
 /* The register path for this shape, instantiated for head sizes 64 and 128 and G <= 8;
  * returns 0 when the shape is not one of them. */
 static int head_group_fast(const Task *t, int64_t kvh, float *scores) {
     const int64_t G = t->H / t->Hkv, CH = t->D / 16;
     if (t->D % 16 != 0) return 0;
-#ifdef __AVX512BF16__
-#define SHAPE(g, ch)                                          \
-    if (G == g && CH == ch) {                                 \
-        if (t->dtype == DTYPE_BFLOAT16)                       \
-            head_group_bf16(t, kvh, scores, g, ch / 2);       \
-        else                                                  \
-            head_group_avx512(t, kvh, scores, g, ch);         \
-        return 1;                                             \
-    }
-#else
 #define SHAPE(g, ch)                                  \
     if (G == g && CH == ch) {                         \
-        head_group_avx512(t, kvh, scores, g, ch);     \
+        head_group_registers(t, kvh, scores, g, ch);  \
         return 1;                                     \
     }
-#endif
     SHAPE(1, 4) SHAPE(2, 4) SHAPE(3, 4) SHAPE(4, 4) SHAPE(5, 4) SHAPE(6, 4) SHAPE(7, 4) SHAPE(8, 4)
     SHAPE(1, 8) SHAPE(2, 8) SHAPE(3, 8) SHAPE(4, 8) SHAPE(5, 8) SHAPE(6, 8) SHAPE(7, 8) SHAPE(8, 8)
 #undef SHAPE

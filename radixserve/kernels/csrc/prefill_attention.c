@@ -203,9 +203,12 @@ static inline __attribute__((always_inline)) void attend_tile(const Call *c, int
     }
 }
 
+/* Query rows per task for a head size (the TR of attend_tile). */
+static int tile_rows_for(int64_t D) { return D == 64 ? 6 : 3; }
+
 /* The tile of `task` with this build's constants for the call's head size and dtype. */
 static void attend_task(const Call *c, int64_t task, int64_t rows, int dtype) {
-    const int tile_rows = c->D == 64 ? 6 : 3;
+    const int tile_rows = tile_rows_for(c->D);
     const int64_t h = task % c->Hkv, row0 = (task / c->Hkv) * tile_rows;
     const int n = rows - row0 < tile_rows ? (int)(rows - row0) : tile_rows;
     if (c->D == 64 && dtype == DTYPE_BFLOAT16)
@@ -243,7 +246,7 @@ int prefill_attention(const void *q, int64_t q_row_stride, const void *k_pool, c
     for (int64_t j = 0; j < S; j++) slots[j] = pages[j / page_size] * page_size + j % page_size;
     const Call call = {q, q_row_stride, out, H, Hkv, D, H / Hkv, prefix_len, scale,
                        packed, packed + Hkv * head_stride, head_stride};
-    const int64_t rows = call.G * extend_len, tile_rows = D == 64 ? 6 : 3;
+    const int64_t rows = call.G * extend_len, tile_rows = tile_rows_for(D);
     const int64_t tasks = Hkv * ((rows + tile_rows - 1) / tile_rows);
 
 #pragma omp parallel num_threads(num_threads)
