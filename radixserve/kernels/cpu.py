@@ -6,7 +6,8 @@
   kernel reads every K/V row once.
 - `prefill_attention`: causal attention of a prefill chunk over its paged context, tiles of
   scores and outputs in AVX-512 registers (bf16 with the AVX-512 BF16 dot product). Against
-  torch's CPU flash attention at the default model's shape: bf16 2.2-2.5x faster, fp32 1.2-1.5x.
+  torch's CPU flash attention at the default model's shape: bf16 1.87x faster, fp32 1.20x
+  (bench/cpu_kernels.py).
   torch runs its bf16 block matmuls on AMX tiles where the CPU has them, so on AMX CPUs bf16
   stays with torch.
 - `linear`: fp32 and bf16 linear layers over weights packed once into column panels
