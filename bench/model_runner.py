@@ -1,28 +1,34 @@
 """Model-runner throughput vs Hugging Face transformers, same weights, same run.
 
-    python -m bench.model_runner [--dtypes float32 bfloat16] [--decode-steps 16]
+    python -m bench.model_runner [--dtypes float32 bfloat16] [--decode-steps 16] [--isa avx2]
 
 Measures prefill tokens/s on one 1,536-token prompt and decode tokens/s at batch 1 and 32 with
 ~512 tokens of context, for radixserve's runner (paged KV, torch-native attention) and for
 transformers (a forward for prefill; batched `generate` for decode, timed from its first to its
 last sampling step so its prefill is not counted). Prints a Markdown table with the ratios.
+
+`--isa TIER` runs both systems as on a CPU of that tier (radixserve's kernels built for it,
+torch's own kernels capped to it: radixserve/kernels/isa.py); the default is the machine's.
+`--dtypes auto` measures the dtype `--dtype auto` picks on that tier.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 
 import torch
 
 from bench.baselines import StepClock
-from radixserve.kernels import cpu as cpu_kernels
+from radixserve.kernels import isa
 from radixserve.models.loader import load_model
 from radixserve.models.resolve import resolve_model
 from radixserve.protocol import SamplingParams
 from radixserve.worker.attention.torch_native import TorchNativeBackend
+from radixserve.worker.device import dtype_name, resolve_dtype
 from radixserve.worker.kv_pool import KVPool
 from radixserve.worker.model_runner import ModelRunner, SequenceChunk
 from radixserve.worker.page_table import PageTable
@@ -135,27 +141,32 @@ def _row(dtype: str, what: str, ours: float, hf: float) -> dict[str, object]:
 
 
 def machine() -> str:
-    """The CPU the numbers were measured on: its model name and whether it has AMX (torch's
-    bf16 matmuls and attention run on AMX tiles where it does), which moves every ratio."""
+    """The CPU the numbers were measured on: its model name, its ISA tier and the tier the run
+    used (AMX moves every bf16 ratio: torch runs bf16 matmuls and attention on AMX tiles)."""
     model = platform.processor() or "unknown CPU"
     try:
         with open("/proc/cpuinfo") as info:
             model = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), model)
     except OSError:
         pass
-    amx = "AMX-bf16" if cpu_kernels.cpu_has("amx_bf16") else "no AMX"
-    bf16 = ", AVX-512 BF16" if cpu_kernels.cpu_has("avx512_bf16") else ""
-    return f"{model} ({amx}{bf16}), torch {torch.__version__}, {torch.get_num_threads()} threads"
+    return (f"{model} (tier {isa.machine_tier()}), run at ISA tier {isa.selected_tier()}, "
+            f"torch {torch.__version__}, {torch.get_num_threads()} threads")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
+                        help="float32, bfloat16, or auto (what --dtype auto picks on the tier)")
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--isa", choices=[str(t) for t in isa.Tier], help="the ISA tier to run at (default: the machine's)")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args()
-    rows = [r for d in args.dtypes for r in measure(d, args.decode_steps, args.repeats)]
+    if args.isa:
+        os.environ[isa.OVERRIDE_ENV] = args.isa
+    isa.selected_tier()  # before torch's first matmul: it caps torch's kernels for a lower tier
+    dtypes = [dtype_name(resolve_dtype(d, torch.device("cpu"))) for d in args.dtypes]
+    rows = [r for d in dict.fromkeys(dtypes) for r in measure(d, args.decode_steps, args.repeats)]
     print(machine())
     print("| dtype | workload | radixserve tok/s | transformers tok/s | ratio |")
     print("|---|---|---:|---:|---:|")
@@ -164,7 +175,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             measured = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-            json.dump({"machine": machine(), "measured": measured, "rows": rows}, f, indent=2)
+            json.dump({"machine": machine(), "isa": str(isa.selected_tier()), "machine_isa": str(isa.machine_tier()),
+                       "measured": measured, "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

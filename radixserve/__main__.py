@@ -200,8 +200,8 @@ def _bind(host: str, port: int) -> socket.socket:
 def _log_ready(config: ServerConfig, ready: Any) -> None:
     host = f"[{config.host}]" if ":" in config.host else config.host
     log.info(
-        "model %s (%s), dtype %s, device %s, context %d tokens",
-        config.model_name, ready.model_path, ready.dtype, ready.device, ready.context_len,
+        "model %s (%s), dtype %s, device %s, CPU ISA %s, context %d tokens",
+        config.model_name, ready.model_path, ready.dtype, ready.device, ready.cpu_isa, ready.context_len,
     )
     log.info(
         "KV pool: %d pages x %d tokens = %d tokens; radix cache %s",

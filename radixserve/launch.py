@@ -13,6 +13,7 @@ import zmq
 
 from radixserve.config import ServerConfig
 from radixserve.ipc import Endpoints, Sender
+from radixserve.kernels import isa
 from radixserve.protocol import SchedulerReady, Shutdown
 from radixserve.scheduler.process import run_scheduler
 from radixserve.worker.process import run_worker
@@ -32,6 +33,12 @@ class Backend:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
+        try:
+            # selected here, in the parent, so a bad RADIXSERVE_CPU_ISA fails before anything
+            # starts and the torch caps it implies reach both children through the environment
+            isa.selected_tier()
+        except ValueError as exc:
+            raise StartupError(str(exc)) from None
         self.endpoints = Endpoints.create()
         self.receiver = zmq.Context.instance().socket(zmq.PULL)
         self.receiver.setsockopt(zmq.LINGER, 0)

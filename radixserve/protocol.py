@@ -162,6 +162,7 @@ class SchedulerReady(msgspec.Struct, tag=True):
     model_path: str
     dtype: str
     device: str
+    cpu_isa: str  # the CPU ISA tier the worker's kernels use (kernels/isa.py)
 
 
 SchedulerToFront = TokenBatchOut | RequestRejected | FlushCacheDone | SchedulerStats | SchedulerReady
@@ -229,6 +230,7 @@ class WorkerReady(msgspec.Struct, tag=True):
     model_path: str
     dtype: str
     device: str
+    cpu_isa: str  # the CPU ISA tier the worker's kernels use (kernels/isa.py)
 
 
 class WorkerFailed(msgspec.Struct, tag=True):

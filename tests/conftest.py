@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from radixserve.kernels import isa
+
 if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig
@@ -24,6 +26,23 @@ _TINY = dict(
     max_position_embeddings=256,
     rms_norm_eps=1e-5,
 )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Select the CPU ISA tier before any test touches torch: RADIXSERVE_CPU_ISA=avx2 (say) runs
+    the whole suite as on an AVX2 machine, torch's own kernels capped too (kernels/isa.py)."""
+    isa.selected_tier()
+
+
+@pytest.fixture(params=list(isa.Tier), ids=str)
+def cpu_tier(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> isa.Tier:
+    """Each ISA tier in turn as the tier in use (the kernels built for it, and every choice that
+    asks `isa.selected_tier()`); tiers above the one in use are skipped, saying why."""
+    tier = request.param
+    if tier > isa.selected_tier():
+        pytest.skip(f"the tier in use here is {isa.selected_tier()}: it cannot run {tier}")
+    monkeypatch.setattr(isa, "selected_tier", lambda: tier)
+    return tier
 
 
 def tiny_configs() -> dict[str, PretrainedConfig]:

@@ -19,6 +19,7 @@ from http_helpers import (
 from runtime_helpers import make_tiny_chat_model
 
 from radixserve import Engine
+from radixserve.kernels import isa
 
 GREEDY = {"temperature": 0.0}
 PROMPTS = [
@@ -206,6 +207,7 @@ def test_server_info_and_health_and_models(client, server, tiny_dir):
     assert info["options"]["page_size"] == 4 and info["options"]["api_key"] is None
     assert set(info["pages"]) == {"total", "free", "cached", "in_use"} and info["pages"]["total"] == 1024
     assert set(info["pids"]) == {"server", "scheduler", "worker"} and info["pids"]["server"] == server.proc.pid
+    assert info["cpu_isa"] == str(isa.selected_tier())  # the server inherits RADIXSERVE_CPU_ISA, if set
     assert client.get("/health").json() == {"status": "ok"}
     models = client.get("/v1/models").json()
     assert [m["id"] for m in models["data"]] == [str(tiny_dir)]
@@ -214,6 +216,7 @@ def test_server_info_and_health_and_models(client, server, tiny_dir):
 def test_startup_log_names_model_dtype_device_pool_and_url(server, tiny_dir):
     log = server.log()
     assert str(tiny_dir) in log and "float32" in log and "cpu" in log
+    assert f"CPU ISA {isa.selected_tier()}" in log
     assert "KV pool: 1024 pages x 4 tokens" in log
     assert f"http://127.0.0.1:{server.port}" in log
 

@@ -57,7 +57,7 @@ class FakeWorker:
 
 def make(page_size: int = 4, pages: int = 256, **options) -> tuple[Scheduler, FakeWorker]:
     config = ServerConfig(page_size=page_size, debug_checks=True, **options)
-    ready = WorkerReady(pages, page_size, pages * page_size, 1000, [EOS], "fake", "float32", "cpu")
+    ready = WorkerReady(pages, page_size, pages * page_size, 1000, [EOS], "fake", "float32", "cpu", "avx2")
     sched = Scheduler(config, ready, lambda req: None)
     return sched, FakeWorker(config.max_running_requests, pages, page_size)
 

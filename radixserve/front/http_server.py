@@ -252,6 +252,7 @@ async def server_info(request: Request) -> Response:
             "device": ready.device, "context_len": ready.context_len, "vocab_size": ready.vocab_size,
             "page_size": ready.page_size,
         },
+        "cpu_isa": ready.cpu_isa,
         "options": state.config.to_dict(),
         "pages": pages,
         "requests": None if stats is None else {"running": stats.num_running, "waiting": stats.num_waiting},

@@ -19,10 +19,12 @@
   batch sizes cost more than their arithmetic).
 
 The sources are plain C with OpenMP (no torch headers), so building them takes about a second
-with the system compiler. The shared library is cached under $RADIXSERVE_CACHE/kernels/, keyed
-by the sources, the flags, the compiler and the CPU's feature flags (it is built with
--march=native). It links against the libgomp torch already loaded, so the process keeps one
-OpenMP thread pool.
+with the system compiler. Each source has a path per ISA tier (`radixserve.kernels.isa`: AVX-512
+and AVX-512 BF16 registers, AVX2 + FMA, or portable C), chosen at compile time by the tier's
+flags; the library is built for the tier in use (or any tier the machine supports, for tests and
+benchmarks) and cached under $RADIXSERVE_CACHE/kernels/, keyed by the sources, the flags and the
+compiler. It links against the libgomp torch already loaded, so the process keeps one OpenMP
+thread pool.
 
 Without a C compiler, on a build failure, or with RADIXSERVE_DISABLE_CPU_KERNELS=1,
 `load_library` returns None (logging why, once) and callers keep their plain-torch paths.
@@ -35,7 +37,6 @@ import functools
 import hashlib
 import logging
 import os
-import platform
 import shutil
 import subprocess
 import tempfile
@@ -43,15 +44,16 @@ from pathlib import Path
 
 import torch
 
+from radixserve.kernels import isa
 from radixserve.models.resolve import cache_dir
 
 log = logging.getLogger("radixserve.kernels")
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
 # -ffast-math lets gcc vectorise the exp and the reductions (glibc's libmvec); it is only on
-# the compile step: linking with it would set flush-to-zero for the whole process.
-COMPILE_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp",
-                 "-fPIC", "-std=c11"]
+# the compile step: linking with it would set flush-to-zero for the whole process. The tier's
+# ISA flags (isa.compile_flags) come after these.
+COMPILE_FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
 LINK_FLAGS = ["-shared", "-fopenmp", "-lm"]
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 DISABLE_ENV = "RADIXSERVE_DISABLE_CPU_KERNELS"
@@ -59,17 +61,6 @@ DISABLE_ENV = "RADIXSERVE_DISABLE_CPU_KERNELS"
 
 def _sources() -> list[Path]:
     return sorted(SOURCE_DIR.glob("*.c"))
-
-
-@functools.cache
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def _compiler() -> str | None:
@@ -119,24 +110,30 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.linear_serves.restype = cint
 
 
+def load_library(tier: isa.Tier | None = None) -> ctypes.CDLL | None:
+    """The kernel library built for `tier` (default: the tier in use), or None when it cannot
+    be built here (logged once)."""
+    return _load_library(isa.selected_tier() if tier is None else tier)
+
+
 @functools.cache
-def load_library() -> ctypes.CDLL | None:
-    """The built kernel library, or None when it cannot be built here (logged once)."""
+def _load_library(tier: isa.Tier) -> ctypes.CDLL | None:
     if os.environ.get(DISABLE_ENV) == "1":
         return None
     compiler = _compiler()
     if compiler is None:
         log.warning("no C compiler found: the CPU kernels are off (decode attention uses gather + SDPA)")
         return None
+    flags = COMPILE_FLAGS + isa.compile_flags(tier)
     key = hashlib.sha256()
     for source in [*_sources(), *SOURCE_DIR.glob("*.h")]:
         key.update(source.name.encode() + source.read_bytes())
-    for part in (" ".join(COMPILE_FLAGS + LINK_FLAGS), compiler, _cpu_flags()):
+    for part in (" ".join(flags + LINK_FLAGS), compiler):
         key.update(part.encode())
-    target = cache_dir() / "kernels" / f"radixserve-cpu-{key.hexdigest()[:16]}.so"
+    target = cache_dir() / "kernels" / f"radixserve-cpu-{tier}-{key.hexdigest()[:16]}.so"
     try:
         if not target.exists():
-            _build(compiler, target)
+            _build(compiler, target, compile_flags=flags)
         lib = ctypes.CDLL(str(target))
         _declare(lib)
     except (OSError, AttributeError, subprocess.CalledProcessError) as exc:
@@ -229,22 +226,17 @@ def paged_decode(
     return out
 
 
-def cpu_has(flag: str) -> bool:
-    """Whether /proc/cpuinfo lists this feature flag (e.g. "avx512_bf16")."""
-    return flag in _cpu_flags().split()
-
-
-def has_amx() -> bool:
-    """Whether the CPU has AMX-bf16, on which torch runs bf16 matmuls and attention blocks
-    (there radixserve's bf16 kernels for those step aside)."""
-    return cpu_has("amx_bf16")
+def torch_owns_bf16_matmuls() -> bool:
+    """On the AMX tier torch runs bf16 matmuls and attention blocks on AMX tiles, and there
+    radixserve's bf16 kernels for those step aside."""
+    return isa.at_least(isa.Tier.AMX)
 
 
 def prefill_attention_serves(dtype: torch.dtype, head_dim: int, device: torch.device) -> bool:
     """Whether `prefill_attention` serves this dtype and head size here, where it beats
     torch's flash attention: a CPU with AVX-512 BF16; bf16 at head size 64 or 128 (not on AMX
     CPUs), fp32 at head size 64."""
-    if not supports(dtype, device) or (dtype == torch.bfloat16 and has_amx()):
+    if not supports(dtype, device) or (dtype == torch.bfloat16 and torch_owns_bf16_matmuls()):
         return False
     return bool(load_library().prefill_attention_supported(head_dim, DTYPE_CODES[dtype]))
 
@@ -355,7 +347,7 @@ def linear_serves(dtype: torch.dtype, in_features: int) -> bool:
     with AVX-512 BF16 and an even input size (it multiplies pairs), not on AMX CPUs."""
     if not supports(dtype, torch.device("cpu")):
         return False
-    if dtype == torch.bfloat16 and (in_features % 2 or has_amx()):
+    if dtype == torch.bfloat16 and (in_features % 2 or torch_owns_bf16_matmuls()):
         return False
     return bool(load_library().linear_serves(DTYPE_CODES[dtype]))
 

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from radixserve.kernels import cpu as cpu_kernels
+from radixserve.kernels import isa
 
 # oneDNN picks its blocked layout for this many rows; it serves any row count
 PACK_BATCH_HINT = 32
@@ -71,7 +72,10 @@ def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> PackedLine
 
 
 def _onednn_packs() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    """oneDNN packs bf16 weights from the avx512 tier up (below it torch refuses: its bf16 path
+    needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)."""
+    return (isa.at_least(isa.Tier.AVX512) and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
 def pack_linears(model: nn.Module) -> int:

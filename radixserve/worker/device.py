@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from radixserve.kernels.cpu import cpu_has
+from radixserve.kernels import isa
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -19,8 +19,10 @@ def resolve_device(name: str) -> torch.device:
 
 
 def cpu_has_fast_bf16() -> bool:
-    """AMX or AVX512-BF16: bf16 matmuls run several times faster than fp32 (see docs/models.md)."""
-    return cpu_has("amx_bf16") or cpu_has("avx512_bf16")
+    """Whether bf16 beats fp32 on the CPU ISA tier in use (docs/benchmarks.md): from
+    avx512_bf16 up, where the CPU multiplies bf16 pairs (AMX tiles or the AVX-512 BF16 dot
+    product)."""
+    return isa.at_least(isa.Tier.AVX512_BF16)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from radixserve.config import ServerConfig
+from radixserve.kernels import isa
 from radixserve.protocol import ChunkResult, ForwardBatch, ForwardResult, WorkerReady
 from radixserve.worker.attention import create_backend
 from radixserve.worker.cuda_graph import graph_batch_sizes
@@ -64,8 +65,8 @@ class Worker:
         self.sampler.seed(config.seed)
         self.states: dict[str, SamplingState] = {}
         log.info(
-            "worker ready: model %s, %s on %s, %s attention%s, KV pool %d pages x %d tokens (%.2f GiB)",
-            self.model_path, dtype_name(self.dtype), self.device, type(backend).__name__,
+            "worker ready: model %s, %s on %s (CPU ISA %s), %s attention%s, KV pool %d pages x %d tokens (%.2f GiB)",
+            self.model_path, dtype_name(self.dtype), self.device, isa.selected_tier(), type(backend).__name__,
             ", decode CUDA graphs" if self.runner.graphs is not None else _cpu_kernels_used(backend),
             num_pages, config.page_size, num_pages * page_bytes / 2**30,
         )
@@ -80,6 +81,7 @@ class Worker:
             model_path=self.model_path,
             dtype=dtype_name(self.dtype),
             device=str(self.device),
+            cpu_isa=str(isa.selected_tier()),
         )
 
     def step(self, batch: ForwardBatch) -> ForwardResult:
