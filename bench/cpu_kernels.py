@@ -1,6 +1,6 @@
 """radixserve's CPU kernels vs the torch ops they replace, on the default model's shapes.
 
-    python -m bench.cpu_kernels [--repeats 7]
+    python -m bench.cpu_kernels [--repeats 7] [--isa avx2]
 
 Each row times 30 layers' worth of one op (the default model has 30), both sides in the same
 run, alternating, best of the repeats:
@@ -10,15 +10,17 @@ run, alternating, best of the repeats:
   layer (cold, as in a real step), `paged_decode` vs gather + SDPA;
 - linears: the four matmuls of a layer at 32 rows (30 layers of distinct weights, cold) and at
   1,536 rows (one layer's, repeated), `PanelLinear` vs `F.linear` (fp32) and vs oneDNN's packed
-  `OneDNNLinear` (bf16).
+  `OneDNNLinear` (bf16; `F.linear` below the avx512 tier, where oneDNN does not pack bf16).
 
-The kernels run here whatever the CPU (bf16 ones need AVX-512 BF16); which of them the model
-uses on this CPU is `kernels.cpu.prefill_attention_serves` and `linear_serves`.
+`--isa TIER` runs at that CPU ISA tier (the kernels built for it, torch capped to it; see
+radixserve/kernels/isa.py). A kernel the tier's build does not serve is left out; which of them
+the model uses is `kernels.cpu.prefill_attention_serves` and `linear_serves`.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections.abc import Callable
 
@@ -27,7 +29,8 @@ import torch.nn.functional as F
 
 from bench.model_runner import machine
 from radixserve.kernels import cpu as cpu_kernels
-from radixserve.models.packed_linear import OneDNNLinear, PanelLinear
+from radixserve.kernels import isa
+from radixserve.models.packed_linear import OneDNNLinear, PanelLinear, onednn_packs
 
 LAYERS = 30
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 9, 3, 64, 16
@@ -101,7 +104,8 @@ def linears(dtype: torch.dtype, rows: int, repeats: int) -> tuple[float, float]:
     weights = [[(torch.randn(n, k, generator=gen) / k**0.5).to(dtype) for k, n in LINEAR_SHAPES] for _ in range(distinct)]
     xs = {k: torch.randn(rows, k, generator=gen).to(dtype) for k, _ in LINEAR_SHAPES}
     panels = [[PanelLinear(w, None) for w in layer] for layer in weights]
-    baseline = [[OneDNNLinear(w, None) for w in layer] for layer in weights] if dtype == torch.bfloat16 else None
+    onednn = dtype == torch.bfloat16 and onednn_packs()
+    baseline = [[OneDNNLinear(w, None) for w in layer] for layer in weights] if onednn else None
 
     def run(layers) -> None:
         for i in range(LAYERS):
@@ -119,19 +123,23 @@ def linears(dtype: torch.dtype, rows: int, repeats: int) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--isa", choices=[str(t) for t in isa.Tier], help="the ISA tier to run at (default: the machine's)")
     args = parser.parse_args()
+    if args.isa:
+        os.environ[isa.OVERRIDE_ENV] = args.isa
+    isa.selected_tier()  # before torch's first matmul: it caps torch's kernels for a lower tier
     lib = cpu_kernels.load_library()
     if lib is None:
         raise SystemExit("the CPU kernels are off here (no C compiler, or RADIXSERVE_DISABLE_CPU_KERNELS=1)")
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
         name = str(dtype).removeprefix("torch.")
-        if not lib.linear_serves(cpu_kernels.DTYPE_CODES[dtype]):
-            print(f"skipping {name}: this CPU has no AVX-512 BF16")
-            continue
-        baseline = "oneDNN packed" if dtype == torch.bfloat16 else "F.linear"
-        rows.append((name, "prefill attention, 1536 tokens", "causal SDPA", *prefill_attention(dtype, args.repeats)))
+        if lib.prefill_attention_supported(HEAD_DIM, cpu_kernels.DTYPE_CODES[dtype]):
+            rows.append((name, "prefill attention, 1536 tokens", "causal SDPA", *prefill_attention(dtype, args.repeats)))
         rows.append((name, "decode attention, batch 32 x 512", "gather + SDPA", *decode_attention(dtype, args.repeats)))
+        if not lib.linear_serves(cpu_kernels.DTYPE_CODES[dtype]):
+            continue
+        baseline = "oneDNN packed" if dtype == torch.bfloat16 and onednn_packs() else "F.linear"
         for m in (32, 1536):
             rows.append((name, f"linears, {m} rows", baseline, *linears(dtype, m, args.repeats)))
     print(machine())

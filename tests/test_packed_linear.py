@@ -1,34 +1,36 @@
 """Packed CPU linears: oneDNN-packed bf16 gives exactly what F.linear gives; radixserve's panel
 kernel gives F.linear's fp32 sums to a few ulps (bf16: then rounded once), for every tile shape,
-on its AVX-512 and (fp32) portable builds; and which of the two serves where."""
+on the build of every ISA tier (bf16 on all but the portable one); and which of the two serves
+where."""
 
 from __future__ import annotations
-
-import ctypes
-import subprocess
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from radixserve.kernels import cpu as cpu_kernels
+from radixserve.kernels import isa
 from radixserve.models.loader import load_model
 from radixserve.models.packed_linear import OneDNNLinear, PanelLinear, pack_linears, packed_linear
 
-needs_onednn = pytest.mark.skipif(
-    packed_linear(torch.empty(1, 1, dtype=torch.bfloat16), None) is None,
-    reason="torch has no oneDNN linear packing here",
-)
-needs_kernels = pytest.mark.skipif(
-    not cpu_kernels.supports(torch.float32, torch.device("cpu")), reason="no C compiler on this machine"
-)
+# a compiler, not a built library: building is the tier's business, at test time
+needs_kernels = pytest.mark.skipif(cpu_kernels._compiler() is None, reason="no C compiler on this machine")
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 
 
 def _skip_unless_built_for(dtype: torch.dtype) -> None:
-    """The panel kernel's bf16 tile needs AVX-512 BF16 (the policy in `linear_serves` aside)."""
+    """The build for the tier in use has a tile for dtype (the policy in `linear_serves` aside):
+    the portable build has none for bf16."""
     if not cpu_kernels.load_library().linear_serves(cpu_kernels.DTYPE_CODES[dtype]):
-        pytest.skip(f"the kernel is built without a {dtype} tile on this CPU")
+        pytest.skip(f"the {isa.selected_tier()} build of the kernel has no {dtype} tile")
+
+
+def _skip_unless_onednn_packs_bf16() -> None:
+    """oneDNN packs bf16 weights with AVX-512 (or AVX-NE-CONVERT); a forced lower tier caps it
+    to that tier's ISA (kernels/isa.py), so it is asked at test time, not at import."""
+    if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        pytest.skip("oneDNN does not pack bf16 linears here")
 
 
 def _problem(rows: int, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, seed: int = 0):
@@ -49,10 +51,10 @@ def _assert_ulps_close(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     assert ((got.double() - exact).abs() <= 4 * x.shape[-1] ** 0.5 * 6e-8 * magnitude * (1 + 2.0**-8) + rounding + 1e-30).all()
 
 
-@needs_onednn
 @pytest.mark.parametrize("rows", [1, 7, 32, 100])
 @pytest.mark.parametrize("bias", [False, True])
 def test_onednn_linear_is_bit_identical_to_f_linear(rows, bias):
+    _skip_unless_onednn_packs_bf16()
     x, weight, b = _problem(rows, 80, 96, bias, torch.bfloat16, seed=rows)
     assert torch.equal(OneDNNLinear(weight, b)(x), F.linear(x, weight, b))
 
@@ -60,9 +62,11 @@ def test_onednn_linear_is_bit_identical_to_f_linear(rows, bias):
 @needs_kernels
 @DTYPES
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 13, 32, 241, 500])  # every tile height, several row chunks
-@pytest.mark.parametrize(("in_features", "out_features"), [(80, 96), (576, 960), (34, 5), (1536, 576), (64, 130)])
+# whole panels (of 32 and 64 columns), fewer columns than a panel, and a last panel cut
+# after 2 or 13 columns (mid-vector for 8 and 16 lanes)
+@pytest.mark.parametrize(("in_features", "out_features"), [(80, 96), (576, 960), (34, 5), (1536, 576), (64, 130), (48, 77)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_panel_linear_matches_f_linear(rows, in_features, out_features, bias, dtype):
+def test_panel_linear_matches_f_linear(rows, in_features, out_features, bias, dtype, cpu_tier):
     _skip_unless_built_for(dtype)
     x, weight, b = _problem(rows, in_features, out_features, bias, dtype, seed=rows)
     got = PanelLinear(weight, b)(x)
@@ -70,14 +74,14 @@ def test_panel_linear_matches_f_linear(rows, in_features, out_features, bias, dt
 
 
 @needs_kernels
-def test_odd_fp32_input_size():
+def test_odd_fp32_input_size(cpu_tier):
     x, weight, b = _problem(9, 33, 70, True, torch.float32)
     _assert_ulps_close(PanelLinear(weight, b)(x), x, weight, b)
 
 
 @needs_kernels
 @DTYPES
-def test_panel_linear_reads_strided_rows_and_leading_dims(dtype):
+def test_panel_linear_reads_strided_rows_and_leading_dims(dtype, cpu_tier):
     _skip_unless_built_for(dtype)
     x, weight, b = _problem(12, 64, 70, True, dtype)
     layer = PanelLinear(weight, b)
@@ -89,26 +93,14 @@ def test_panel_linear_reads_strided_rows_and_leading_dims(dtype):
 
 
 @needs_kernels
-def test_portable_build_of_the_panel_kernel(tmp_path):
-    """Without AVX-512 the kernel takes its portable tile; built that way, it still matches."""
-    compiler = cpu_kernels._compiler()
-    lib_path = tmp_path / "portable.so"
-    flags = [f for f in cpu_kernels.COMPILE_FLAGS if not f.startswith(("-march", "-mprefer"))] + ["-mno-avx512f"]
-    try:
-        cpu_kernels._build(compiler, lib_path, [cpu_kernels.SOURCE_DIR / "linear.c"], flags)
-    except subprocess.CalledProcessError as exc:  # e.g. a compiler for another architecture
-        pytest.skip(f"cannot build without AVX-512 here: {exc.stderr[-300:]}")
-    lib = ctypes.CDLL(str(lib_path))
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.linear.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int, ctypes.c_int]
-    assert lib.linear_serves(0) and not lib.linear_serves(1)  # fp32 only without AVX-512 BF16
-    for rows, out_features, bias in [(1, 64, False), (7, 130, True), (250, 96, True)]:
-        x, weight, b = _problem(rows, 48, out_features, bias, torch.float32, seed=rows)
-        panels = cpu_kernels.pack_linear(weight)
-        out = torch.empty(rows, out_features)
-        lib.linear(x.data_ptr(), x.stride(0), panels.data_ptr(), None if b is None else b.data_ptr(),
-                   out.data_ptr(), rows, 48, out_features, 0, 2)
-        _assert_ulps_close(out, x, weight, b)
+def test_every_build_but_the_portable_one_serves_bf16(cpu_tier):
+    """bf16 needs SIMD to widen its pairs (AVX2, AVX-512) or multiply them (AVX-512 BF16); the
+    portable build (no ISA flags) serves fp32 only. Each build packs its own panel width."""
+    lib = cpu_kernels.load_library(cpu_tier)
+    assert lib.linear_serves(cpu_kernels.DTYPE_CODES[torch.float32])
+    assert bool(lib.linear_serves(cpu_kernels.DTYPE_CODES[torch.bfloat16])) == (cpu_tier > isa.Tier.PORTABLE)
+    width = lib.linear_panel_width()
+    assert cpu_kernels.pack_linear(torch.randn(width + 1, 8)).shape == (2, 8, width)
 
 
 @needs_kernels
@@ -123,14 +115,13 @@ def test_fp32_and_bf16_cpu_weights_are_packed():
 
 
 @needs_kernels
-@needs_onednn
 def test_bf16_takes_onednn_on_amx_cpus_and_for_odd_input_sizes(monkeypatch):
     """oneDNN runs bf16 on AMX tiles where the CPU has them (prefill is compute-bound); the
     panel kernel multiplies pairs, so an odd input size also stays with oneDNN."""
+    _skip_unless_onednn_packs_bf16()
     weight = torch.randn(16, 9).bfloat16()
     assert isinstance(packed_linear(weight, None), OneDNNLinear)
-    flags = cpu_kernels._cpu_flags()
-    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: flags + " amx_bf16 amx_tile")
+    monkeypatch.setattr(cpu_kernels, "torch_owns_bf16_matmuls", lambda: True)
     assert isinstance(packed_linear(torch.randn(16, 8).bfloat16(), None), OneDNNLinear)
     assert isinstance(packed_linear(torch.randn(16, 8), None), PanelLinear)
 
@@ -144,7 +135,7 @@ def test_packed_model_gives_the_same_logits(tiny_model_dirs, name, dtype):
     from radixserve.worker.attention.torch_native import TorchNativeBackend
     from radixserve.worker.kv_pool import KVPool
 
-    if packed_linear(torch.empty(1, 1, dtype=dtype), None) is None:
+    if packed_linear(torch.empty(1, 2, dtype=dtype), None) is None:  # bf16 pairs: an even size
         pytest.skip(f"no packed linear for {dtype} here")
     outputs = []
     for pack in (False, True):

@@ -11,9 +11,10 @@
   torch runs its bf16 block matmuls on AMX tiles where the CPU has them, so on AMX CPUs bf16
   stays with torch.
 - `linear`: fp32 and bf16 linear layers over weights packed once into column panels
-  (`pack_linear`); MKL's sgemm repacks nn.Linear's weight on every call, which at decode batch
-  sizes costs more than the arithmetic, and oneDNN's bf16 kernels without AMX stream the
-  weights slower than this kernel does.
+  (`pack_linear`; the panel width is the build's); MKL's sgemm repacks nn.Linear's weight on
+  every call, which at decode batch sizes costs more than the arithmetic, and oneDNN's bf16
+  kernels without AMX stream the weights slower than this kernel does (below AVX-512, torch
+  has no fast bf16 matmul at all).
 - `rms_norm`, `rotary`, `silu_mul`: RMSNorm, rotary embedding and the MLP activation of fp32
   or bf16 rows in one call each (torch needs eight, six and two small ops, which at decode
   batch sizes cost more than their arithmetic).
@@ -344,7 +345,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def linear_serves(dtype: torch.dtype, in_features: int) -> bool:
     """Whether `linear` serves weights of this dtype and input size here: fp32 always, bf16
-    with AVX-512 BF16 and an even input size (it multiplies pairs), not on AMX CPUs."""
+    from the avx2 tier up with an even input size (it reads pairs), not on the AMX tier."""
     if not supports(dtype, torch.device("cpu")):
         return False
     if dtype == torch.bfloat16 and (in_features % 2 or torch_owns_bf16_matmuls()):

@@ -17,12 +17,12 @@ Tiers, each including the ones before it:
 
 `RADIXSERVE_CPU_ISA=<tier>` forces a lower tier than the machine has (a higher one is an error
 naming the machine's), so one machine runs and tests every tier it supports. It also caps
-torch's own kernels to that tier (`ATEN_CPU_CAPABILITY`, `ONEDNN_MAX_CPU_ISA`, unless those are
-set already): with the cap oneDNN refuses bf16 packing below AVX-512 exactly as it does on an
-AVX2-only CPU, so the forced tier behaves like such a machine, torch included. torch reads both
-at its first use of those kernels, so the tier must be selected (this module's
-`selected_tier()`) before the first matmul; the worker, the benchmarks and the test suite do so
-at start-up.
+torch's own kernels to that tier (`ATEN_CPU_CAPABILITY`, `ONEDNN_MAX_CPU_ISA`,
+`MKL_ENABLE_INSTRUCTIONS`, each unless set already): with the cap oneDNN refuses bf16 packing
+below AVX-512 exactly as it does on an AVX2-only CPU, so the forced tier behaves like such a
+machine, torch included. torch reads these at its first use of those kernels, so the tier must
+be selected (this module's `selected_tier()`) before the first matmul; the server, the
+benchmarks and the test suite do so at start-up.
 """
 
 from __future__ import annotations
@@ -74,12 +74,13 @@ _COMPILE_FLAGS: dict[Tier, tuple[str, ...]] = {
     Tier.AMX: (),  # the kernels use no AMX instruction: the avx512_bf16 build serves
 }
 
-# torch's own caps for a forced tier: ATen's vectorised kernels, oneDNN's instruction set
+# torch's own caps for a forced tier: ATen's vectorised kernels, oneDNN's and MKL's instruction sets
 _TORCH_CAPS: dict[Tier, dict[str, str]] = {
-    Tier.PORTABLE: {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41"},
-    Tier.AVX2: {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
-    Tier.AVX512: {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"},
-    Tier.AVX512_BF16: {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"},
+    Tier.PORTABLE: {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
+    Tier.AVX2: {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    Tier.AVX512: {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE", "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
+    Tier.AVX512_BF16: {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
+                       "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
 }
 
 

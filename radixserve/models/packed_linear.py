@@ -5,10 +5,11 @@ reorders into its own blocked layout on every call: at decode batch sizes that r
 more than the arithmetic. Packing once removes it (bench/model_runner.py measures the step):
 
 - column panels for radixserve's own kernel (`radixserve.kernels.cpu.linear`): fp32 always, and
-  bf16 on CPUs with AVX-512 BF16 but no AMX; the same dot products summed in another order than
-  MKL's and oneDNN's, so equal to `F.linear` to a few fp32 ulps (bf16: before the rounding).
-- bf16 on AMX CPUs (or without AVX-512 BF16): oneDNN's packed layout, for its AMX kernels;
-  bit-identical to `F.linear`.
+  bf16 from the avx2 ISA tier up but for AMX (kernels/isa.py); the same dot products summed in
+  another order than MKL's and oneDNN's, so equal to `F.linear` to a few fp32 ulps (bf16:
+  before the rounding).
+- bf16 on the AMX tier (or an odd input size from the avx512 tier up): oneDNN's packed layout,
+  for its AMX kernels; bit-identical to `F.linear`.
 
 The packed weight replaces the original (no second copy), except for a tied LM head, whose
 weight is also the embedding table. CUDA keeps nn.Linear: its kernels read the weight as is.
@@ -39,7 +40,7 @@ class PackedLinear(nn.Module):
 
 
 class OneDNNLinear(PackedLinear):
-    """bf16 on AMX CPUs: oneDNN's packed weight."""
+    """bf16 on the AMX tier: oneDNN's packed weight."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__(weight, bias)
@@ -50,7 +51,7 @@ class OneDNNLinear(PackedLinear):
 
 
 class PanelLinear(PackedLinear):
-    """fp32, and bf16 without AMX: column panels for radixserve's CPU kernel."""
+    """fp32, and bf16 below the AMX tier: column panels for radixserve's CPU kernel."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__(weight, bias)
@@ -66,12 +67,12 @@ def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> PackedLine
         return None
     if cpu_kernels.linear_serves(weight.dtype, weight.shape[1]):
         return PanelLinear(weight, bias)
-    if weight.dtype == torch.bfloat16 and _onednn_packs():
+    if weight.dtype == torch.bfloat16 and onednn_packs():
         return OneDNNLinear(weight, bias)
     return None
 
 
-def _onednn_packs() -> bool:
+def onednn_packs() -> bool:
     """oneDNN packs bf16 weights from the avx512 tier up (below it torch refuses: its bf16 path
     needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)."""
     return (isa.at_least(isa.Tier.AVX512) and torch.backends.mkldnn.is_available()

@@ -13,9 +13,15 @@
  * so each panel is one contiguous stream. For each tile of up to TILE_ROWS rows of x a thread
  * keeps TILE_ROWS x PANEL fp32 sums in registers while sweeping the panel's words once (from
  * L2 after the first tile), and it prefetches its next panel while it works. Rows are taken
- * ROW_CHUNK at a time so the x rows a panel meets stay in cache. bf16 multiplies pairs with
- * the AVX-512 BF16 dot product (vdpbf16ps), the layout oneDNN uses on CPUs without AMX, whose
- * kernels spend more of their time on each small decode matmul than this streaming loop.
+ * ROW_CHUNK at a time so the x rows a panel meets stay in cache. PANEL, TILE_ROWS and ROW_CHUNK
+ * are per build (ISA tier): the tile is sized to the registers, and `pack_linear` asks
+ * `linear_panel_width` so the packed layout follows the build.
+ *
+ * bf16 multiplies pairs: with AVX-512 BF16 by its dot product (vdpbf16ps), the layout oneDNN
+ * uses on CPUs without AMX, whose kernels spend more of their time on each small decode matmul
+ * than this streaming loop; with AVX-512F or AVX2 alone by widening both halves of each pair
+ * to fp32 (a bf16 is the top half of an fp32) and two FMAs, first element first. The portable
+ * build serves fp32 only.
  *
  * Every output is one fp32 dot product summed in k order (bf16: in pairs), the bias added
  * last, bf16 rounded once; MKL and oneDNN sum in other orders, so results differ from
@@ -28,28 +34,40 @@
 #include <string.h>
 
 #include <omp.h>
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
 
 #include "dtypes.h"
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* 4 zmm per tile row, 24 sums of the 32 registers */
 #define PANEL 64
 #define TILE_ROWS 6
 #define ROW_CHUNK 240
+#define SERVES_BF16 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include "avx2.h"
+/* 16 ymm: 4 per tile row, 12 sums, plus a row's x broadcast for each of the 3 rows and one
+ * panel vector (x stays in registers; the weights are read once per step). AVX2-only CPUs
+ * have smaller L2s than the AVX-512 servers (256 KiB to 1 MiB), so a chunk takes fewer rows. */
+#define PANEL 32
+#define TILE_ROWS 3
+#define ROW_CHUNK 120
+#define SERVES_BF16 1
+#else
+#define PANEL 64
+#define TILE_ROWS 6
+#define ROW_CHUNK 240
+#define SERVES_BF16 0
+#endif
 
 int linear_panel_width(void) { return PANEL; }
 
-/* Whether this build serves the dtype: fp32 always, bf16 with AVX-512 BF16. */
+/* Whether this build serves the dtype: fp32 always, bf16 with AVX2 or AVX-512. */
 int linear_serves(int dtype) {
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-    return dtype == DTYPE_FLOAT32 || dtype == DTYPE_BFLOAT16;
-#else
-    return dtype == DTYPE_FLOAT32;
-#endif
+    return dtype == DTYPE_FLOAT32 || (SERVES_BF16 && dtype == DTYPE_BFLOAT16);
 }
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__)
 /* The m (<= TILE_ROWS) rows at x times one panel of `words` words, into y. m and DT are
  * constants after inlining. */
 static inline __attribute__((always_inline)) void tile_avx512(
@@ -62,6 +80,27 @@ static inline __attribute__((always_inline)) void tile_avx512(
     for (int64_t k = 0; k < words; k++) {
         for (due += prefetch_lines; due >= words; due -= words, prefetch += 64) _mm_prefetch(prefetch, _MM_HINT_T1);
         const uint32_t *row = panel + k * PANEL;
+#ifndef __AVX512BF16__
+        if (DT == DTYPE_BFLOAT16) {
+            /* no pair dot product: the pairs' first elements times x[2k] into every sum, then
+             * their second elements times x[2k + 1], all widened to fp32 (24 sums, 4 panel
+             * vectors and a broadcast fit the 32 registers) */
+            for (int half = 0; half < 2; half++) {
+                __m512 w[4];
+                for (int j = 0; j < 4; j++) {
+                    const __m512i pairs = _mm512_loadu_si512(row + 16 * j);
+                    w[j] = _mm512_castsi512_ps(half ? _mm512_and_si512(pairs, _mm512_set1_epi32((int)0xFFFF0000u))
+                                                    : _mm512_slli_epi32(pairs, 16));
+                }
+                for (int i = 0; i < m; i++) {
+                    const uint32_t pair = ((const uint32_t *)((const char *)x + i * x_stride * 2))[k];
+                    const __m512 a = _mm512_castsi512_ps(_mm512_set1_epi32((int)(half ? pair & 0xFFFF0000u : pair << 16)));
+                    for (int j = 0; j < 4; j++) acc[i][j] = _mm512_fmadd_ps(a, w[j], acc[i][j]);
+                }
+            }
+            continue;
+        }
+#endif
         __m512i w[4];
         for (int j = 0; j < 4; j++) w[j] = _mm512_loadu_si512(row + 16 * j);
         for (int i = 0; i < m; i++) {
@@ -100,29 +139,99 @@ static inline __attribute__((always_inline)) void tile_avx512(
         }
     }
 }
-
-/* One specialised copy per row count and dtype: the tile's loops fully unrolled. */
-#define TILE_FOR(DT)                                                                                     \
-    switch (m) {                                                                                         \
-    case 6: tile_avx512(x, x_stride, panel, words, bias, y, N, columns_left, prefetch, lines, 6, DT); return; \
-    case 5: tile_avx512(x, x_stride, panel, words, bias, y, N, columns_left, prefetch, lines, 5, DT); return; \
-    case 4: tile_avx512(x, x_stride, panel, words, bias, y, N, columns_left, prefetch, lines, 4, DT); return; \
-    case 3: tile_avx512(x, x_stride, panel, words, bias, y, N, columns_left, prefetch, lines, 3, DT); return; \
-    case 2: tile_avx512(x, x_stride, panel, words, bias, y, N, columns_left, prefetch, lines, 2, DT); return; \
-    default: tile_avx512(x, x_stride, panel, words, bias, y, N, columns_left, prefetch, lines, 1, DT); return; \
+#define SIMD_TILE tile_avx512
+#elif defined(__AVX2__) && defined(__FMA__)
+/* As tile_avx512, in 8-lane vectors. */
+static inline __attribute__((always_inline)) void tile_avx2(
+    const void *x, int64_t x_stride, const uint32_t *panel, int64_t words, const void *bias, void *y,
+    int64_t N, int64_t columns_left, const char *prefetch, int64_t prefetch_lines, const int m, const int DT) {
+    enum { VECS = PANEL / 8 };
+    const int bf16 = DT == DTYPE_BFLOAT16;
+    const int64_t elem = element_size(DT);
+    __m256 acc[TILE_ROWS][VECS];
+    for (int i = 0; i < m; i++)
+        for (int j = 0; j < VECS; j++) acc[i][j] = _mm256_setzero_ps();
+    int64_t due = 0; /* prefetch_lines cache lines spread evenly over the steps */
+    for (int64_t k = 0; k < words; k++) {
+        for (due += prefetch_lines; due >= words; due -= words, prefetch += 64) _mm_prefetch(prefetch, _MM_HINT_T1);
+        const uint32_t *row = panel + k * PANEL;
+        /* word k of each x row: one fp32, or a bf16 pair taken in two halves (no bf16
+         * arithmetic in AVX2): the pairs' first elements times x[2k] into every sum, then their
+         * second elements times x[2k + 1], all widened to fp32. Per half the rows' broadcasts
+         * stay in registers while each panel vector is read once. */
+        for (int half = 0; half < 1 + bf16; half++) {
+            __m256 a[TILE_ROWS];
+            for (int i = 0; i < m; i++) {
+                /* widened in a general register, then broadcast: the vector registers are
+                 * all taken */
+                const uint32_t word = ((const uint32_t *)((const char *)x + i * x_stride * elem))[k];
+                a[i] = _mm256_castsi256_ps(_mm256_set1_epi32((int)(!bf16 ? word : half ? word & 0xFFFF0000u : word << 16)));
+            }
+            for (int j = 0; j < VECS; j++) {
+                const __m256i pairs = _mm256_loadu_si256((const __m256i *)(row + 8 * j));
+                /* second elements: the words with their low halves cleared, blended in from
+                 * a[0], whose low halves are zero in this half (an AND would keep its mask in a
+                 * 17th register and spill sums; measured 10-30% slower) */
+                const __m256 w = !bf16 ? _mm256_castsi256_ps(pairs)
+                                 : half ? _mm256_castsi256_ps(_mm256_blend_epi16(pairs, _mm256_castps_si256(a[0]), 0x55))
+                                        : avx2_pair_low(pairs);
+                for (int i = 0; i < m; i++) acc[i][j] = _mm256_fmadd_ps(a[i], w, acc[i][j]);
+            }
+        }
     }
+    for (int j = 0; j < VECS; j++) {
+        const int64_t left = columns_left - 8 * j;
+        if (left <= 0) break;
+        /* past N (the last panel's tail) through a buffer: AVX2 has no masked 16-bit loads or
+         * stores */
+        char part[32] = {0};
+        __m256 b = _mm256_setzero_ps();
+        if (bias != NULL) {
+            const char *src = (const char *)bias + 8 * j * elem;
+            if (left < 8) src = memcpy(part, src, left * elem);
+            b = avx2_load(src, bf16);
+        }
+        for (int i = 0; i < m; i++) {
+            const __m256 sum = bias != NULL ? _mm256_add_ps(acc[i][j], b) : acc[i][j];
+            char *dst = (char *)y + (i * N + 8 * j) * elem;
+            if (left >= 8) {
+                avx2_store(dst, sum, bf16);
+            } else {
+                avx2_store(part, sum, bf16);
+                memcpy(dst, part, left * elem);
+            }
+        }
+    }
+}
+#define SIMD_TILE tile_avx2
+#endif
+
+#ifdef SIMD_TILE
+/* One specialised copy per row count and dtype: the tile's loops fully unrolled. */
+static inline __attribute__((always_inline)) void tile_for(
+    const void *x, int64_t x_stride, const uint32_t *panel, int64_t words, const void *bias, void *y,
+    int64_t N, int64_t columns_left, const char *prefetch, int64_t lines, int m, const int DT) {
+#define TILE_CASE(M) case M: SIMD_TILE(x, x_stride, panel, words, bias, y, N, columns_left, prefetch, lines, M, DT); return;
+    switch (m) {
+#if TILE_ROWS >= 6
+    TILE_CASE(6)
+    TILE_CASE(5)
+    TILE_CASE(4)
+#endif
+    TILE_CASE(3)
+    TILE_CASE(2)
+    default: SIMD_TILE(x, x_stride, panel, words, bias, y, N, columns_left, prefetch, lines, 1, DT); return;
+    }
+#undef TILE_CASE
+}
 
 static void tile(const void *x, int64_t x_stride, const uint32_t *panel, int64_t words, const void *bias,
                  void *y, int64_t N, int64_t columns_left, const char *prefetch, int64_t lines, int m, int dtype) {
-#ifdef __AVX512BF16__
-    if (dtype == DTYPE_BFLOAT16) {
-        TILE_FOR(DTYPE_BFLOAT16)
-    }
-#endif
-    (void)dtype;
-    TILE_FOR(DTYPE_FLOAT32)
+    if (dtype == DTYPE_BFLOAT16)
+        tile_for(x, x_stride, panel, words, bias, y, N, columns_left, prefetch, lines, m, DTYPE_BFLOAT16);
+    else
+        tile_for(x, x_stride, panel, words, bias, y, N, columns_left, prefetch, lines, m, DTYPE_FLOAT32);
 }
-#undef TILE_FOR
 #else
 /* The portable tile (fp32 only): the same sums in the same order, left to the compiler to
  * vectorise. */
