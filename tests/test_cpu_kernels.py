@@ -42,9 +42,11 @@ def _problem(batch, heads, kv_heads, head_dim, page_size, max_len, dtype, seed=0
     return q, k_pool, v_pool, table, lens
 
 
-# (batch, heads, kv_heads, head_dim): register paths (head size 64/128, G <= 8), the portable
-# path (head size 32, G = 10), per-head tasks (small batch) and per-request tasks (batch 32)
-SHAPES = [(32, 9, 3, 64), (1, 9, 3, 64), (3, 8, 2, 128), (5, 6, 6, 32), (2, 20, 2, 64), (9, 4, 4, 64)]
+# (batch, heads, kv_heads, head_dim): register paths (head size 64/128, G <= 8; G = 8 at head
+# size 128 splits P.V into the most tiles), the portable path (head size 32, G = 10), per-head
+# tasks (small batch) and per-request tasks (batch 32)
+SHAPES = [(32, 9, 3, 64), (1, 9, 3, 64), (3, 8, 2, 128), (2, 16, 2, 128), (5, 6, 6, 32), (2, 20, 2, 64),
+          (9, 4, 4, 64)]
 TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 1e-2}  # bf16: the output's own rounding
 
 
@@ -52,7 +54,7 @@ TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 1e-2}  # bf16: the output's ow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"b{b}h{h}kv{k}d{d}" for b, h, k, d in SHAPES])
-def test_kernel_equals_sdpa_over_gathered_pages(shape, page_size, dtype):
+def test_kernel_equals_sdpa_over_gathered_pages(shape, page_size, dtype, cpu_tier):
     q, k_pool, v_pool, table, lens = _problem(*shape, page_size, 75, dtype)
     scale = shape[3] ** -0.5
     got = cpu_kernel.paged_decode(q, k_pool, v_pool, table, lens, page_size, scale)
@@ -63,7 +65,7 @@ def test_kernel_equals_sdpa_over_gathered_pages(shape, page_size, dtype):
 
 @needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_kernel_stores_the_new_token_then_attends_to_it(dtype):
+def test_kernel_stores_the_new_token_then_attends_to_it(dtype, cpu_tier):
     """k_new/v_new given as strided views (as the model's fused projection makes them) land in
     the slot of position seq_len - 1, and the attention sees them."""
     batch, heads, kv_heads, dim, ps = 6, 4, 2, 64, 16
@@ -95,17 +97,17 @@ def test_kernel_rejects_mismatched_inputs():
 @needs_compiler
 def test_kernel_is_built_once_and_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("RADIXSERVE_CACHE", str(tmp_path))
-    cpu_kernel.load_library.cache_clear()
+    cpu_kernel._load_library.cache_clear()
     try:
         assert cpu_kernel.load_library() is not None
         built = list((tmp_path / "kernels").glob("radixserve-cpu-*.so"))
         assert len(built) == 1
         stamp = built[0].stat().st_mtime_ns
-        cpu_kernel.load_library.cache_clear()
+        cpu_kernel._load_library.cache_clear()
         assert cpu_kernel.load_library() is not None
         assert built[0].stat().st_mtime_ns == stamp  # loaded from the cache, not rebuilt
     finally:
-        cpu_kernel.load_library.cache_clear()
+        cpu_kernel._load_library.cache_clear()
 
 
 def test_loading_the_kernels_keeps_subnormal_floats(tmp_path):
@@ -137,7 +139,7 @@ def test_without_the_kernel_torch_native_falls_back(tmp_path, monkeypatch, caplo
         monkeypatch.setattr(cpu_kernel, "_compiler", lambda: "false")  # a compiler that fails
     else:
         monkeypatch.setenv("RADIXSERVE_DISABLE_CPU_KERNELS", "1")
-    cpu_kernel.load_library.cache_clear()
+    cpu_kernel._load_library.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger="radixserve.kernels"):
             backend = TorchNativeBackend(KVPool(1, 8, 4, 2, 64, torch.float32), AttentionShape(4, 2, 64, 0.125))
@@ -145,7 +147,7 @@ def test_without_the_kernel_torch_native_falls_back(tmp_path, monkeypatch, caplo
         if cause != "disabled":
             assert "gather + SDPA" in caplog.text
     finally:
-        cpu_kernel.load_library.cache_clear()
+        cpu_kernel._load_library.cache_clear()
 
 
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -167,7 +169,7 @@ def _assert_within_steps(got: torch.Tensor, want: torch.Tensor, steps: float) ->
 @needs_compiler
 @DTYPES
 @pytest.mark.parametrize("shape", [(1, 576), (32, 576), (300, 64), (4, 3, 128)])
-def test_rms_norm_matches_the_torch_ops(shape, dtype):
+def test_rms_norm_matches_the_torch_ops(shape, dtype, cpu_tier):
     """RMSNorm in C vs transformers' formula in torch."""
     gen = torch.Generator().manual_seed(shape[0])
     x = (torch.randn(shape, generator=gen) * 3).to(dtype)
@@ -179,7 +181,7 @@ def test_rms_norm_matches_the_torch_ops(shape, dtype):
 
 @needs_compiler
 @DTYPES
-def test_rms_norm_reads_strided_rows(dtype):
+def test_rms_norm_reads_strided_rows(dtype, cpu_tier):
     """q/k norms see per-head views of the fused projection: rows are not contiguous."""
     fused = torch.randn(5, 2 * 64 + 3).to(dtype)
     view = fused[:, :128].view(5, 2, 64)
@@ -190,7 +192,7 @@ def test_rms_norm_reads_strided_rows(dtype):
 @needs_compiler
 @DTYPES
 @pytest.mark.parametrize("tokens", [1, 32, 700])
-def test_rotary_matches_the_torch_ops(tokens, dtype):
+def test_rotary_matches_the_torch_ops(tokens, dtype, cpu_tier):
     """bf16: bit-identical; fp32: to the last bit (a fused multiply-add may round once less)."""
     from radixserve.models.config import RopeConfig
     from radixserve.models.layers import RotaryEmbedding
@@ -212,7 +214,7 @@ def test_rotary_matches_the_torch_ops(tokens, dtype):
 @needs_compiler
 @DTYPES
 @pytest.mark.parametrize("tokens", [1, 32, 300])
-def test_silu_mul_matches_the_torch_ops(tokens, dtype):
+def test_silu_mul_matches_the_torch_ops(tokens, dtype, cpu_tier):
     gen = torch.Generator().manual_seed(tokens)
     gate_up = (torch.randn(tokens, 2 * 1536, generator=gen) * 4).to(dtype)
     gate, up = gate_up.split(1536, dim=-1)
@@ -222,7 +224,7 @@ def test_silu_mul_matches_the_torch_ops(tokens, dtype):
 
 @needs_compiler
 @DTYPES
-def test_add_rms_norm_is_the_add_then_the_norm(dtype):
+def test_add_rms_norm_is_the_add_then_the_norm(dtype, cpu_tier):
     gen = torch.Generator().manual_seed(5)
     x, residual = (torch.randn(2, 32, 576, generator=gen) * 2).to(dtype).unbind(0)
     weight = torch.randn(576, generator=gen).to(dtype)

@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from radixserve.kernels import isa
 from radixserve.models import LlamaForCausalLM, ModelConfig, load_model, resolve
 from radixserve.models.layers import RotaryEmbedding
 from radixserve.worker.attention.base import AttentionBatch
@@ -106,10 +107,11 @@ def test_prefill_logits_match_hf(tiny_model_dirs: dict[str, Path], case: str) ->
 
 @pytest.mark.parametrize("case", CASES)
 def test_chunks_decode_and_packed_batch_match_hf(
-    tiny_model_dirs: dict[str, Path], case: str
+    tiny_model_dirs: dict[str, Path], case: str, cpu_tier: isa.Tier
 ) -> None:
     """Two requests share forwards: prefill chunks over cached pages, then decode steps packed
-    together, on scattered pages of size 4 (several tokens straddle page borders)."""
+    together, on scattered pages of size 4 (several tokens straddle page borders); with the
+    kernels of every CPU ISA tier the machine supports."""
     path = tiny_model_dirs[case]
     ours = load_model(path, torch.float32).model
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -252,9 +254,10 @@ def test_loader_ignores_stored_copy_of_tied_head(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_default_model_matches_hf_gguf(
-    default_model_dir: Path, hf_default_model: torch.nn.Module
+    default_model_dir: Path, hf_default_model: torch.nn.Module, cpu_tier: isa.Tier
 ) -> None:
-    """Our model from the cache vs transformers reading the GGUF itself, on a chat prompt."""
+    """Our model from the cache vs transformers reading the GGUF itself, on a chat prompt, with
+    the kernels of every CPU ISA tier the machine supports."""
     loaded = load_model("default", torch.float32)
     assert loaded.path == default_model_dir
     config = loaded.config
@@ -280,7 +283,7 @@ def test_default_model_matches_hf_gguf(
     steps = [run.forward({r: ids[:-4]})[r], *(run.forward({r: [t]})[r] for t in ids[-4:])]
     decode_diff = assert_close(torch.cat(steps), ref, DEFAULT_TOL)
     print(
-        f"default model, {len(ids)} tokens: max abs logit diff {diff:.2e} (prefill), "
+        f"default model, tier {cpu_tier}, {len(ids)} tokens: max abs logit diff {diff:.2e} (prefill), "
         f"{decode_diff:.2e} (prefill + decode); logits up to {ref.abs().max():.1f}"
     )
 

@@ -5,11 +5,10 @@
   `scaled_dot_product_attention` reads the whole context three times and writes it once; the
   kernel reads every K/V row once.
 - `prefill_attention`: causal attention of a prefill chunk over its paged context, tiles of
-  scores and outputs in AVX-512 registers (bf16 with the AVX-512 BF16 dot product). Against
-  torch's CPU flash attention at the default model's shape: bf16 1.87x faster, fp32 1.20x
-  (bench/cpu_kernels.py).
-  torch runs its bf16 block matmuls on AMX tiles where the CPU has them, so on AMX CPUs bf16
-  stays with torch.
+  scores in vector registers (AVX-512, bf16 with the AVX-512 BF16 dot product; or AVX2, bf16
+  widened once as K and V are packed), served where it beats torch's CPU flash attention
+  (bench/cpu_kernels.py). torch runs its bf16 block matmuls on AMX tiles where the CPU has
+  them, so on the AMX tier bf16 stays with torch.
 - `linear`: fp32 and bf16 linear layers over weights packed once into column panels
   (`pack_linear`; the panel width is the build's); MKL's sgemm repacks nn.Linear's weight on
   every call, which at decode batch sizes costs more than the arithmetic, and oneDNN's bf16
@@ -234,9 +233,9 @@ def torch_owns_bf16_matmuls() -> bool:
 
 
 def prefill_attention_serves(dtype: torch.dtype, head_dim: int, device: torch.device) -> bool:
-    """Whether `prefill_attention` serves this dtype and head size here, where it beats
-    torch's flash attention: a CPU with AVX-512 BF16; bf16 at head size 64 or 128 (not on AMX
-    CPUs), fp32 at head size 64."""
+    """Whether `prefill_attention` serves this dtype and head size here: where the tier's build
+    beats torch's flash attention (`prefill_attention_supported` in csrc/prefill_attention.c
+    says which head sizes and dtypes, per tier), and never bf16 on the AMX tier."""
     if not supports(dtype, device) or (dtype == torch.bfloat16 and torch_owns_bf16_matmuls()):
         return False
     return bool(load_library().prefill_attention_supported(head_dim, DTYPE_CODES[dtype]))

@@ -171,7 +171,7 @@ static inline __attribute__((always_inline)) void tile_avx2(
                 const __m256i pairs = _mm256_loadu_si256((const __m256i *)(row + 8 * j));
                 /* second elements: the words with their low halves cleared, blended in from
                  * a[0], whose low halves are zero in this half (an AND would keep its mask in a
-                 * 17th register and spill sums; measured 10-30% slower) */
+                 * 17th register and spill sums) */
                 const __m256 w = !bf16 ? _mm256_castsi256_ps(pairs)
                                  : half ? _mm256_castsi256_ps(_mm256_blend_epi16(pairs, _mm256_castps_si256(a[0]), 0x55))
                                         : avx2_pair_low(pairs);

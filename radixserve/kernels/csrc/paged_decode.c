@@ -15,11 +15,12 @@
  * Work is split into tasks of one request and a range of its kv heads. For each kv head, its
  * G = H / Hkv query heads share every K/V row read: two passes over the context, scores (then
  * an exact softmax with the true max), then the weighted sum of V. Accumulation is in fp32
- * whatever the storage dtype. With AVX-512 and a head size of 64 or 128 the G queries and
- * accumulators live in registers (head_group_avx512; for bf16 with AVX-512 BF16,
- * head_group_bf16, which multiplies bf16 pairs without widening them); other shapes take the
- * portable loop. The first kv head's pass prefetches the task's whole rows into L2 ahead of
- * itself (prefetch_context), and the last one the next request's (prefetch_next): pages are
+ * whatever the storage dtype. With AVX-512 or AVX2 + FMA and a head size of 64 or 128 the work
+ * runs in vector registers (head_group_simd, one body for both: 16 or 8 fp32 lanes, bf16
+ * widened; for bf16 with AVX-512 BF16, head_group_bf16, which multiplies bf16 pairs without
+ * widening them); other shapes, and builds without those ISA flags, take the portable loop.
+ * On x86 the first kv head's pass prefetches the task's whole rows into L2 ahead of itself
+ * (prefetch_context), and the last one the next request's (prefetch_next): pages are
  * scattered, and the hardware prefetcher alone reads them at half the memory's bandwidth.
  */
 #include <float.h>
@@ -113,21 +114,12 @@ static void head_group_portable(const Task *t, int64_t kvh, float *scratch) {
     store_output(t, kvh, acc, sums);
 }
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+/* Prefetching, for both x86 register paths (_mm_prefetch is SSE: any x86-64 has it). */
 #include <immintrin.h>
 
-#define MAX_GROUP 8  /* query heads per kv head served by the register path */
-#define MAX_CHUNKS 8 /* head size / 16 */
 #define PREFETCH_AHEAD 48 /* positions ahead: this head's row into L1 */
 #define CONTEXT_AHEAD 96  /* positions ahead: all the task's rows into L2 */
-
-static inline __attribute__((always_inline)) __m512 load16(const void *base, int dtype, int64_t offset) {
-    if (dtype == DTYPE_BFLOAT16) {
-        const __m256i raw = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + offset));
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-    }
-    return _mm512_loadu_ps((const float *)base + offset);
-}
 
 /* Pages are scattered, so the hardware prefetcher loses the stream at every page boundary:
  * ask for the row PREFETCH_AHEAD positions on. */
@@ -172,20 +164,100 @@ static inline __attribute__((always_inline)) void prefetch_context(const Task *t
         for (int64_t ahead = 0; ahead < CONTEXT_AHEAD && ahead < t->seq_len; ahead++) prefetch_position(t, ahead);
     if (i + CONTEXT_AHEAD < t->seq_len) prefetch_position(t, i + CONTEXT_AHEAD);
 }
+#endif
 
-/* One kv head with G query heads of CH 16-float chunks each. Always inlined with constant G
- * and CH, so the loops unroll and q and the accumulators stay in registers. */
-static inline __attribute__((always_inline)) void head_group_avx512(const Task *t, int64_t kvh,
-                                                                    float *scores, const int G,
-                                                                    const int CH) {
+/* The register path's fp32 vector per ISA: LANES lanes, the few operations head_group_simd
+ * needs, and how many P.V accumulators it keeps in registers at once (ACC_REGS: the rest of the
+ * register file holds a V chunk and the G weights). */
+#ifdef __AVX512F__
+#define LANES 16
+#define ACC_REGS 24 /* of 32 zmm */
+typedef __m512 vfloat;
+static inline __attribute__((always_inline)) vfloat vec_set1(float x) { return _mm512_set1_ps(x); }
+static inline __attribute__((always_inline)) vfloat vec_loadf(const float *p) { return _mm512_loadu_ps(p); }
+static inline __attribute__((always_inline)) void vec_storef(float *p, vfloat v) { _mm512_storeu_ps(p, v); }
+static inline __attribute__((always_inline)) vfloat vec_mul(vfloat a, vfloat b) { return _mm512_mul_ps(a, b); }
+static inline __attribute__((always_inline)) vfloat vec_fmadd(vfloat a, vfloat b, vfloat c) { return _mm512_fmadd_ps(a, b, c); }
+/* sums[g] = the sum of the lanes of s[g], for g < G */
+static inline __attribute__((always_inline)) void vec_reduce_group(const vfloat *s, const int G, float *sums) {
+    for (int g = 0; g < G; g++) sums[g] = _mm512_reduce_add_ps(s[g]);
+}
+/* LANES elements of a pool from element `offset` on, as fp32 (bf16 widened) */
+static inline __attribute__((always_inline)) vfloat vec_load(const void *base, int dtype, int64_t offset) {
+    if (dtype == DTYPE_BFLOAT16) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + offset));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    }
+    return _mm512_loadu_ps((const float *)base + offset);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#include "avx2.h"
+#define LANES 8
+#define ACC_REGS 12 /* of 16 ymm */
+typedef __m256 vfloat;
+static inline __attribute__((always_inline)) vfloat vec_set1(float x) { return _mm256_set1_ps(x); }
+static inline __attribute__((always_inline)) vfloat vec_loadf(const float *p) { return _mm256_loadu_ps(p); }
+static inline __attribute__((always_inline)) void vec_storef(float *p, vfloat v) { _mm256_storeu_ps(p, v); }
+static inline __attribute__((always_inline)) vfloat vec_mul(vfloat a, vfloat b) { return _mm256_mul_ps(a, b); }
+static inline __attribute__((always_inline)) vfloat vec_fmadd(vfloat a, vfloat b, vfloat c) { return _mm256_fmadd_ps(a, b, c); }
+/* sums[g] = the sum of the lanes of s[g], for g < G <= 8: one transposing tree of hadds for all
+ * G heads, fewer shuffles than G separate reductions (it shows at G = 8, head size 128) */
+static inline __attribute__((always_inline)) void vec_reduce_group(const vfloat *s, const int G, float *sums) {
+    __m256 x[8];
+    for (int g = 0; g < 8; g++) x[g] = g < G ? s[g] : _mm256_setzero_ps();
+    /* two hadds leave, per 128-bit half, the sums of that half's 4 lanes of x0 .. x3 */
+    const __m256 low = _mm256_hadd_ps(_mm256_hadd_ps(x[0], x[1]), _mm256_hadd_ps(x[2], x[3]));
+    float out[8];
+    if (G <= 4) {
+        _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(low), _mm256_extractf128_ps(low, 1)));
+    } else {
+        const __m256 high = _mm256_hadd_ps(_mm256_hadd_ps(x[4], x[5]), _mm256_hadd_ps(x[6], x[7]));
+        _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20),
+                                            _mm256_permute2f128_ps(low, high, 0x31)));
+    }
+    for (int g = 0; g < G; g++) sums[g] = out[g];
+}
+static inline __attribute__((always_inline)) vfloat vec_load(const void *base, int dtype, int64_t offset) {
+    return dtype == DTYPE_BFLOAT16 ? avx2_load_bf16((const uint16_t *)base + offset)
+                                   : _mm256_loadu_ps((const float *)base + offset);
+}
+#endif
+
+#ifdef LANES
+#define MAX_GROUP 8              /* query heads per kv head served by the register path */
+#define MAX_HEAD 128             /* the largest head size served by the register path */
+#define MAX_CHUNKS (MAX_HEAD / LANES)
+#define PV_BLOCK 16 /* positions per P.V block: its V rows stay in L1 across the tiles */
+
+/* Chunks per P.V tile: the most (halving from CH) whose accumulators for G heads fit ACC_REGS.
+ * A constant once inlined. */
+static inline __attribute__((always_inline)) int tile_chunks(const int G, const int CH) {
+    int chunks = CH;
+    while (chunks > 1 && G * chunks > ACC_REGS) chunks /= 2;
+    return chunks;
+}
+
+/* One kv head with G query heads of CH LANES-float chunks each (fp32, or bf16 widened to fp32).
+ * Always inlined with constant G and CH, so the loops unroll into registers.
+ *
+ * Scores: each K chunk is loaded once and multiplied into G running sums, so the K row is
+ * read once for all G heads and only G + 1 vectors are live besides q (which stays in
+ * registers where they suffice, else in L1: an FMA takes it as a memory operand).
+ * P.V: G * CH accumulators fit the registers only for small shapes (12 of 16 ymm with AVX2),
+ * so the chunks are split into tiles of CT that do, and the context into blocks of PV_BLOCK
+ * positions: each tile sweeps the block's V rows, which stay in L1 for the next tile. */
+static inline __attribute__((always_inline)) void head_group_simd(const Task *t, int64_t kvh,
+                                                                  float *scores, const int G,
+                                                                  const int CH) {
     const int64_t D = t->D, L = t->seq_len, Hkv = t->Hkv;
     const int dtype = t->dtype;
-    __m512 qv[MAX_GROUP * MAX_CHUNKS], acc[MAX_GROUP * MAX_CHUNKS];
-    float maxes[MAX_GROUP], sums[MAX_GROUP], qf[MAX_GROUP * MAX_CHUNKS * 16];
+    const int CT = tile_chunks(G, CH);
+    vfloat qv[MAX_GROUP * MAX_CHUNKS];
+    float maxes[MAX_GROUP], sums[MAX_GROUP], qf[MAX_GROUP * MAX_HEAD];
     load_queries(t, kvh, qf);
     for (int g = 0; g < G; g++) {
         maxes[g] = -FLT_MAX;
-        for (int c = 0; c < CH; c++) qv[g * CH + c] = _mm512_loadu_ps(qf + g * D + 16 * c);
+        for (int c = 0; c < CH; c++) qv[g * CH + c] = vec_loadf(qf + g * D + LANES * c);
     }
 
     for (int64_t i = 0; i < L; i++) {
@@ -193,12 +265,17 @@ static inline __attribute__((always_inline)) void head_group_avx512(const Task *
         prefetch_context(t, kvh, i);
         prefetch_next(t, kvh, i);
         if (i + PREFETCH_AHEAD < L) prefetch_row(t->k_pool, dtype, (t->slots[i + PREFETCH_AHEAD] * Hkv + kvh) * D, D);
-        __m512 k[MAX_CHUNKS];
-        for (int c = 0; c < CH; c++) k[c] = load16(t->k_pool, dtype, row + 16 * c);
+        vfloat s[MAX_GROUP];
+        /* unrolled whole (gcc stops short at 16 chunks), else the sums live on the stack */
+#pragma GCC unroll 16
+        for (int c = 0; c < CH; c++) {
+            const vfloat k = vec_load(t->k_pool, dtype, row + LANES * c);
+            for (int g = 0; g < G; g++) s[g] = c == 0 ? vec_mul(qv[g * CH], k) : vec_fmadd(qv[g * CH + c], k, s[g]);
+        }
+        float dots[MAX_GROUP];
+        vec_reduce_group(s, G, dots);
         for (int g = 0; g < G; g++) {
-            __m512 s = _mm512_mul_ps(qv[g * CH], k[0]);
-            for (int c = 1; c < CH; c++) s = _mm512_fmadd_ps(qv[g * CH + c], k[c], s);
-            const float score = _mm512_reduce_add_ps(s);
+            const float score = dots[g];
             scores[g * L + i] = score;
             maxes[g] = score > maxes[g] ? score : maxes[g];
         }
@@ -206,19 +283,31 @@ static inline __attribute__((always_inline)) void head_group_avx512(const Task *
 
     softmax_weights(scores, maxes, sums, G, L);
 
-    for (int j = 0; j < G * CH; j++) acc[j] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < L; i++) {
-        const int64_t row = (t->slots[i] * Hkv + kvh) * D;
-        if (i + PREFETCH_AHEAD < L) prefetch_row(t->v_pool, dtype, (t->slots[i + PREFETCH_AHEAD] * Hkv + kvh) * D, D);
-        __m512 w[MAX_GROUP];
-        for (int g = 0; g < G; g++) w[g] = _mm512_set1_ps(scores[g * L + i]);
-        for (int c = 0; c < CH; c++) {
-            const __m512 v = load16(t->v_pool, dtype, row + 16 * c);
-            for (int g = 0; g < G; g++) acc[g * CH + c] = _mm512_fmadd_ps(w[g], v, acc[g * CH + c]);
+    float *acc = qf; /* q is in qv now */
+    memset(acc, 0, G * D * sizeof(float));
+    for (int64_t i0 = 0; i0 < L; i0 += PV_BLOCK) {
+        const int64_t i1 = i0 + PV_BLOCK < L ? i0 + PV_BLOCK : L;
+        for (int64_t i = i0 + PREFETCH_AHEAD; i < i1 + PREFETCH_AHEAD && i < L; i++)
+            prefetch_row(t->v_pool, dtype, (t->slots[i] * Hkv + kvh) * D, D);
+        for (int c0 = 0; c0 < CH; c0 += CT) {
+            vfloat a[MAX_GROUP * MAX_CHUNKS];
+            for (int g = 0; g < G; g++)
+                for (int c = 0; c < CT; c++) a[g * CT + c] = vec_loadf(acc + g * D + LANES * (c0 + c));
+            for (int64_t i = i0; i < i1; i++) {
+                const int64_t row = (t->slots[i] * Hkv + kvh) * D + LANES * c0;
+                vfloat w[MAX_GROUP];
+                for (int g = 0; g < G; g++) w[g] = vec_set1(scores[g * L + i]);
+#pragma GCC unroll 16
+                for (int c = 0; c < CT; c++) {
+                    const vfloat v = vec_load(t->v_pool, dtype, row + LANES * c);
+                    for (int g = 0; g < G; g++) a[g * CT + c] = vec_fmadd(w[g], v, a[g * CT + c]);
+                }
+            }
+            for (int g = 0; g < G; g++)
+                for (int c = 0; c < CT; c++) vec_storef(acc + g * D + LANES * (c0 + c), a[g * CT + c]);
         }
     }
-    for (int j = 0; j < G * CH; j++) _mm512_storeu_ps(qf + 16 * j, acc[j]);
-    store_output(t, kvh, qf, sums);
+    store_output(t, kvh, acc, sums);
 }
 
 #ifdef __AVX512BF16__
@@ -307,30 +396,30 @@ static inline __attribute__((always_inline)) void head_group_bf16(const Task *t,
 }
 #endif
 
-/* The register path of a (G, CH) shape: bf16 pairs where the CPU multiplies them, else fp32. */
+/* The register path of a (G, D) shape: bf16 pairs where the CPU multiplies them, else fp32
+ * vectors (bf16 widened). */
 static inline __attribute__((always_inline)) void head_group_registers(const Task *t, int64_t kvh, float *scores,
-                                                                       const int G, const int CH) {
+                                                                       const int G, const int D) {
 #ifdef __AVX512BF16__
     if (t->dtype == DTYPE_BFLOAT16) {
-        head_group_bf16(t, kvh, scores, G, CH / 2);
+        head_group_bf16(t, kvh, scores, G, D / 32);
         return;
     }
 #endif
-    head_group_avx512(t, kvh, scores, G, CH);
+    head_group_simd(t, kvh, scores, G, D / LANES);
 }
 
 /* The register path for this shape, instantiated for head sizes 64 and 128 and G <= 8;
  * returns 0 when the shape is not one of them. */
 static int head_group_fast(const Task *t, int64_t kvh, float *scores) {
-    const int64_t G = t->H / t->Hkv, CH = t->D / 16;
-    if (t->D % 16 != 0) return 0;
-#define SHAPE(g, ch)                                  \
-    if (G == g && CH == ch) {                         \
-        head_group_registers(t, kvh, scores, g, ch);  \
-        return 1;                                     \
+    const int64_t G = t->H / t->Hkv, D = t->D;
+#define SHAPE(g, d)                                  \
+    if (G == g && D == d) {                          \
+        head_group_registers(t, kvh, scores, g, d);  \
+        return 1;                                    \
     }
-    SHAPE(1, 4) SHAPE(2, 4) SHAPE(3, 4) SHAPE(4, 4) SHAPE(5, 4) SHAPE(6, 4) SHAPE(7, 4) SHAPE(8, 4)
-    SHAPE(1, 8) SHAPE(2, 8) SHAPE(3, 8) SHAPE(4, 8) SHAPE(5, 8) SHAPE(6, 8) SHAPE(7, 8) SHAPE(8, 8)
+    SHAPE(1, 64) SHAPE(2, 64) SHAPE(3, 64) SHAPE(4, 64) SHAPE(5, 64) SHAPE(6, 64) SHAPE(7, 64) SHAPE(8, 64)
+    SHAPE(1, 128) SHAPE(2, 128) SHAPE(3, 128) SHAPE(4, 128) SHAPE(5, 128) SHAPE(6, 128) SHAPE(7, 128) SHAPE(8, 128)
 #undef SHAPE
     return 0;
 }
@@ -345,7 +434,9 @@ static int head_group_fast(const Task *t, int64_t kvh, float *scores) {
 static void attend(Task *task, const int64_t *pages, int64_t page_size, int64_t kv0, int64_t kv1,
                    int64_t *slots, float *scratch) {
     const int64_t L = task->seq_len, D = task->D, Hkv = task->Hkv;
-    for (int64_t i = 0; i < L; i++) slots[i] = pages[i / page_size] * page_size + i % page_size;
+    /* page by page: a 64-bit division per position took an eighth of a short request's time */
+    for (int64_t start = 0, page = 0; start < L; start += page_size, page++)
+        for (int64_t i = start; i < start + page_size && i < L; i++) slots[i] = pages[page] * page_size + i - start;
     task->slots = slots;
     task->kv0 = kv0, task->kv1 = kv1;
     if (task->k_new != NULL) {
