@@ -363,6 +363,34 @@ static inline __attribute__((always_inline)) void avx2_softmax_step(float *s, in
     }
 }
 
+/* Both products of the AVX2 tile, TR rows x 16 columns in 12 ymm sums: row r of c (16 floats
+ * at c + r * c_stride, 32-byte aligned; zeroed first unless `accumulate`) gains
+ * sum over j < steps of a[r * a_stride + j] * b[j * b_stride .. + 15]. Scores: a = the queries,
+ * b = 16 keys of the packed K^T, steps = D. P.V: a = the weights, b = 16 columns of V, steps =
+ * the block's keys. */
+static inline __attribute__((always_inline)) void avx2_rows_times_block(const float *a, int64_t a_stride,
+                                                                        const float *b, int64_t b_stride,
+                                                                        int64_t steps, float *c, int64_t c_stride,
+                                                                        const int accumulate, const int TR) {
+    __m256 acc[AVX2_TILE_ROWS * 2];
+    for (int r = 0; r < TR; r++) {
+        acc[2 * r] = accumulate ? _mm256_load_ps(c + r * c_stride) : _mm256_setzero_ps();
+        acc[2 * r + 1] = accumulate ? _mm256_load_ps(c + r * c_stride + 8) : _mm256_setzero_ps();
+    }
+    for (int64_t j = 0; j < steps; j++) {
+        const __m256 lo = _mm256_loadu_ps(b + j * b_stride), hi = _mm256_loadu_ps(b + j * b_stride + 8);
+        for (int r = 0; r < TR; r++) {
+            const __m256 x = _mm256_broadcast_ss(a + r * a_stride + j);
+            acc[2 * r] = _mm256_fmadd_ps(x, lo, acc[2 * r]);
+            acc[2 * r + 1] = _mm256_fmadd_ps(x, hi, acc[2 * r + 1]);
+        }
+    }
+    for (int r = 0; r < TR; r++) {
+        _mm256_store_ps(c + r * c_stride, acc[2 * r]);
+        _mm256_store_ps(c + r * c_stride + 8, acc[2 * r + 1]);
+    }
+}
+
 /* The AVX2 tile: `rows` query rows (<= TR) of kv head h from row `row0`, as attend_tile. Per
  * block of 64 keys: scores 16 keys at a time in registers, to a buffer; the softmax there;
  * then P.V 16 output columns at a time, the outputs loaded from and stored to a buffer once
@@ -393,49 +421,17 @@ static inline __attribute__((always_inline)) void attend_tile_avx2(const Call *c
 
     for (int64_t k0 = 0; k0 < end; k0 += KEY_BLOCK) {
         const float *kb = kp + (k0 / KEY_BLOCK) * D * KEY_BLOCK;
-        for (int k = 0; k < KEY_BLOCK; k += AVX2_SUB_KEYS) {
-            __m256 acc[AVX2_TILE_ROWS * 2];
-            for (int i = 0; i < TR * 2; i++) acc[i] = _mm256_setzero_ps();
-            if (k0 + k < end) { /* keys past every row's limit keep scores 0, weighed 0 */
-                for (int64_t d = 0; d < D; d++) {
-                    const __m256 k_lo = _mm256_loadu_ps(kb + d * KEY_BLOCK + k), k_hi = _mm256_loadu_ps(kb + d * KEY_BLOCK + k + 8);
-                    for (int r = 0; r < TR; r++) {
-                        const __m256 qd = _mm256_broadcast_ss(q[r] + d);
-                        acc[2 * r] = _mm256_fmadd_ps(qd, k_lo, acc[2 * r]);
-                        acc[2 * r + 1] = _mm256_fmadd_ps(qd, k_hi, acc[2 * r + 1]);
-                    }
-                }
-            }
-            for (int r = 0; r < TR; r++) {
-                _mm256_store_ps(s[r] + k, acc[2 * r]);
-                _mm256_store_ps(s[r] + k + 8, acc[2 * r + 1]);
-            }
-        }
+        /* keys past every row's limit keep scores 0 (no steps), weighed 0 */
+        for (int k = 0; k < KEY_BLOCK; k += AVX2_SUB_KEYS)
+            avx2_rows_times_block(q[0], MAX_HEAD_DIM, kb + k, KEY_BLOCK, k0 + k < end ? D : 0, s[0] + k, KEY_BLOCK, 0, TR);
         for (int r = 0; r < TR; r++)
             avx2_softmax_step(s[r], limit[r] - k0, c->scale, row_max + r, row_sum + r, o[r], D, DT);
 
         /* o[r] += P[r] . V[k0 ..] */
         const int64_t block_keys = end - k0 < KEY_BLOCK ? end - k0 : KEY_BLOCK;
         const float *vb = vp + k0 * D;
-        for (int64_t d = 0; d < D; d += 16) {
-            __m256 acc[AVX2_TILE_ROWS * 2];
-            for (int r = 0; r < TR; r++) {
-                acc[2 * r] = _mm256_load_ps(o[r] + d);
-                acc[2 * r + 1] = _mm256_load_ps(o[r] + d + 8);
-            }
-            for (int64_t j = 0; j < block_keys; j++) {
-                const __m256 v_lo = _mm256_loadu_ps(vb + j * D + d), v_hi = _mm256_loadu_ps(vb + j * D + d + 8);
-                for (int r = 0; r < TR; r++) {
-                    const __m256 pj = _mm256_broadcast_ss(s[r] + j);
-                    acc[2 * r] = _mm256_fmadd_ps(pj, v_lo, acc[2 * r]);
-                    acc[2 * r + 1] = _mm256_fmadd_ps(pj, v_hi, acc[2 * r + 1]);
-                }
-            }
-            for (int r = 0; r < TR; r++) {
-                _mm256_store_ps(o[r] + d, acc[2 * r]);
-                _mm256_store_ps(o[r] + d + 8, acc[2 * r + 1]);
-            }
-        }
+        for (int64_t d = 0; d < D; d += 16)
+            avx2_rows_times_block(s[0], KEY_BLOCK, vb + d, D, block_keys, o[0] + d, MAX_HEAD_DIM, 1, TR);
     }
 
     for (int r = 0; r < rows; r++) {
