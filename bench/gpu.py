@@ -152,7 +152,7 @@ class Drive:
     ttft: list[float] = field(default_factory=list)
 
 
-def drive(worker, config, prompts: list[list[int]], max_new_tokens: int, tag: str) -> Drive:
+def drive(worker, config, prompts: list[list[int]], max_new_tokens: int) -> Drive:
     """Serve `prompts` (all arriving now) to completion with a fresh scheduler on `worker`."""
     from radixserve.protocol import SamplingParams, TokenizedRequest
     from radixserve.scheduler.core import Scheduler
@@ -160,11 +160,11 @@ def drive(worker, config, prompts: list[list[int]], max_new_tokens: int, tag: st
     sched = Scheduler(config, worker.ready_message(), lambda req: None)
     sampling = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, ignore_eos=True)
     for i, p in enumerate(prompts):
-        rejected = sched.add_request(TokenizedRequest(f"{tag}-{i}", p, sampling))
+        rejected = sched.add_request(TokenizedRequest(i, p, sampling))
         if rejected is not None:
             raise RuntimeError(f"request rejected: {rejected.message}")
     d = Drive(prompt_tokens=sum(map(len, prompts)))
-    first: dict[str, float] = {}
+    first: dict[int, float] = {}
     start = time.perf_counter()
     while True:
         step_start = time.perf_counter()
@@ -207,7 +207,7 @@ def make_worker(args, loaded, **options):
     worker = Worker(config, loaded=loaded)
     startup = time.perf_counter() - start
     # warm-up: prefill and decode kernels (FlashInfer JIT-compiles each on first use)
-    drive(worker, config, random_prompts(2, 32, loaded.config.vocab_size, seed=99), 4, "warm")
+    drive(worker, config, random_prompts(2, 32, loaded.config.vocab_size, seed=99), 4)
     return worker, config, time.perf_counter() - start, startup
 
 
@@ -357,7 +357,7 @@ def run(args) -> Report:
         report.env[f"{system} startup"] = f"{startup_s:.1f} s to build (JIT + graphs), {ready_s:.1f} s with warm-up; backend {backend}, graphs {graphs}"
         if first:  # prefill and the radix workload: once, with the first system that starts
             first = False
-            d = drive(worker, config, prefill_prompts, 1, "prefill")
+            d = drive(worker, config, prefill_prompts, 1)
             report.add(f"prefill {args.prefill_batch} x {args.prefill_len}", system, d.prefill_tokens / d.prefill_seconds,
                        notes=f"{d.prefill_seconds * 1e3:.0f} ms")
             for label, off in (("cache on", False), ("cache off", True)):
@@ -365,7 +365,7 @@ def run(args) -> Report:
                     report.skipped.append(f"shared prefix, {label}")
                     continue
                 cfg_run = dataclasses.replace(config, disable_radix_cache=off, chunk_size=args.shared_chunk)
-                d = drive(worker, cfg_run, shared_prefix_prompts(args, vocab), args.answer_len, f"shared-{label}")
+                d = drive(worker, cfg_run, shared_prefix_prompts(args, vocab), args.answer_len)
                 mean_ttft = sum(d.ttft) / len(d.ttft)
                 report.add(
                     f"shared prefix {args.docs} docs x {args.questions} q", f"{system}, {label}",
@@ -377,7 +377,7 @@ def run(args) -> Report:
                 report.skipped.append(f"{system}: decode {batch}")
                 continue
             prompts = random_prompts(batch, args.decode_context, vocab, seed=100 + batch)
-            d = drive(worker, config, prompts, args.decode_len, f"decode-{batch}")
+            d = drive(worker, config, prompts, args.decode_len)
             steps = sorted(d.decode_step_seconds)
             if not steps:
                 report.skipped.append(f"{system}: decode {batch} had no full-batch decode step")

@@ -31,7 +31,7 @@ class Engine:
 
     def __init__(self, model: str = "default", **options: Any) -> None:
         self.config = ServerConfig.from_kwargs(model=model, **options)
-        self.limits = Limits()
+        self.limits = Limits(max_sequences=self.config.max_queued_requests)
         self._backend = Backend(self.config)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="radixserve-front", daemon=True)
@@ -102,6 +102,7 @@ class Engine:
                 final[out["index"]] = out
             return [final[i] for i in range(req.sampling.n)]
 
+        self.manager.check_rids_free([r.rid for r in requests])
         per_request = await asyncio.gather(*(one(r) for r in requests))
         flat = [item for outs in per_request for item in outs]
         if not is_batch and len(flat) == 1:

@@ -59,9 +59,15 @@ class Shutdown(msgspec.Struct, tag=True):
 
 
 class TokenizedRequest(msgspec.Struct, tag=True, omit_defaults=True):
-    """A validated, tokenized request. `rid` is unique among live requests."""
+    """A validated, tokenized request.
 
-    rid: str
+    `rid` is the front's internal id for this one submission: an int from a counter, never reused
+    and never written by a client. A client's rid is only a label the front maps to it, so no
+    client can name another's request, an earlier request's late outputs, or one sample of a
+    request (the scheduler and worker key sample i as `f"{rid}#{i}"`).
+    """
+
+    rid: int
     input_ids: list[int]
     sampling: SamplingParams
     return_logprob: bool = False
@@ -71,9 +77,9 @@ class TokenizedRequest(msgspec.Struct, tag=True, omit_defaults=True):
 
 
 class AbortRequest(msgspec.Struct, tag=True):
-    """Stop a request (client went away, or asked); its pages are freed at the next step."""
+    """Stop a request, all its samples (client went away, or asked); pages are freed at the next step."""
 
-    rid: str
+    rid: int  # the front's internal id (TokenizedRequest.rid)
 
 
 class FlushCache(msgspec.Struct, tag=True):
@@ -103,7 +109,7 @@ class FinishReason(msgspec.Struct, frozen=True):
 class RequestOutput(msgspec.Struct, omit_defaults=True, array_like=True):
     """What happened to one request in one step: new tokens, and how it ended if it did."""
 
-    rid: str
+    rid: int  # the front's internal id (TokenizedRequest.rid)
     index: int  # which of the request's n samples
     new_token_ids: list[int]
     prompt_tokens: int
@@ -125,7 +131,7 @@ class RequestRejected(msgspec.Struct, tag=True):
     Also sent, with the request's rid, when a request failed after admission.
     """
 
-    rid: str
+    rid: int  # the front's internal id (TokenizedRequest.rid)
     message: str
     retryable: bool = False  # True: try again later (queue full), maps to HTTP 503
 
@@ -174,7 +180,7 @@ SchedulerToFront = TokenBatchOut | RequestRejected | FlushCacheDone | SchedulerS
 class NewRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     """A request the worker has not seen: its sampling settings, once."""
 
-    rid: str
+    rid: str  # the sample's key, `f"{rid}#{index}"` (scheduler Request.key)
     sampling: SamplingParams
     top_logprobs_num: int = 0
     prompt_ids: list[int] = []  # only when a repetition penalty needs the whole prompt
@@ -184,7 +190,7 @@ class NewRequest(msgspec.Struct, array_like=True, omit_defaults=True):
 class Chunk(msgspec.Struct, array_like=True, omit_defaults=True):
     """Tokens of one request to compute this step, at positions prefix_len .. prefix_len+len-1."""
 
-    rid: str
+    rid: str  # the sample's key (NewRequest.rid)
     row: int
     prefix_len: int
     token_ids: list[int]
@@ -205,7 +211,7 @@ class ForwardBatch(msgspec.Struct, tag=True, omit_defaults=True):
     assigned: list[tuple[int, list[int]]] = []  # (row, its pages), replacing what the row held
     appended: list[tuple[int, list[int]]] = []  # (row, pages added at the end)
     released: list[int] = []  # rows whose requests left; their worker state is dropped
-    finished: list[str] = []  # rids whose sampling state can be dropped
+    finished: list[str] = []  # sample keys whose sampling state can be dropped
 
 
 class ChunkResult(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -9,10 +9,17 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import httpx
 import pytest
-from http_helpers import TINY_OPTIONS, running_server, sse_events
+from http_helpers import (
+    TINY_OPTIONS,
+    assert_pages_balanced,
+    raw_request,
+    running_server,
+    sse_events,
+)
 from runtime_helpers import make_tiny_chat_model
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
@@ -230,3 +237,96 @@ def test_abort_request_by_rid(server, client):
     assert events[-1]["meta_info"]["finish_reason"]["type"] == "abort"
     assert events[-1]["meta_info"]["completion_tokens"] < most
     assert client.post("/abort_request", json={}).status_code == 400
+    assert client.post("/abort_request", json={"rid": rid}).json() == {"aborted": 0}  # it is over
+
+
+class _Reader(threading.Thread):
+    """A streaming /generate read in the background: its status, events and first event."""
+
+    def __init__(self, url: str, body: dict) -> None:
+        super().__init__(daemon=True)
+        self.url, self.body = url, {**body, "stream": True}
+        self.status: int | None = None
+        self.events: list[dict] = []
+        self.first = threading.Event()
+
+    def run(self) -> None:
+        with httpx.stream("POST", self.url + "/generate", json=self.body, timeout=120) as r:
+            self.status = r.status_code
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    self.events.append(json.loads(line[6:]))
+                    self.first.set()
+        self.first.set()
+
+    def finals(self) -> dict[int, dict]:
+        return {e.get("index", 0): e for e in self.events if e["meta_info"]["finish_reason"] is not None}
+
+
+def test_a_client_rid_cannot_name_a_sample_inside_the_runtime(server, client):
+    """Sample 1 of rid `x` was keyed `x#1` in the scheduler and worker: a client rid `x#1` hit it
+    and the worker died (KeyError), 503 for good. Now every submission has an internal id."""
+    body = {
+        "text": ["Hello", "World"], "rid": ["x", "x#1"],
+        "sampling_params": [{"n": 2, "max_new_tokens": 2}, {"max_new_tokens": 12, "ignore_eos": True}],
+    }
+    r = client.post("/generate", json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert [o["meta_info"]["id"] for o in out] == ["x", "x", "x#1"]
+    assert out[2]["meta_info"]["completion_tokens"] == 12
+    # two clients: `v` with n=2 running while `v#1` arrives
+    first = _Reader(server.url, {"text": PROMPT, "rid": "v", "sampling_params": {"n": 2, "max_new_tokens": 30, "ignore_eos": True}})
+    first.start()
+    assert first.first.wait(60)
+    second = _generate(client, text="World", rid="v#1", sampling_params={"max_new_tokens": 12, "ignore_eos": True})
+    first.join(60)
+    assert first.status == 200 and sorted(first.finals()) == [0, 1]
+    assert all(f["meta_info"]["completion_tokens"] == 30 for f in first.finals().values())
+    assert second["meta_info"]["completion_tokens"] == 12 and second["meta_info"]["id"] == "v#1"
+    assert client.get("/health").status_code == 200
+    assert server.proc.poll() is None
+
+
+def test_a_rid_in_flight_is_a_409_and_abort_counts_what_it_found(server, client):
+    most = client.get("/server_info").json()["model"]["context_len"] - 64
+    reader = _Reader(server.url, {"text": PROMPT, "rid": "busy", "sampling_params": {"n": 3, "max_new_tokens": most, "ignore_eos": True}})
+    reader.start()
+    assert reader.first.wait(60)
+    r = client.post("/generate", json={"text": "hi", "rid": "busy"})
+    assert r.status_code == 409 and "'busy'" in r.json()["error"]["message"], r.text
+    r = client.post("/generate", json={"text": ["hi", "yo"], "rid": ["free", "busy"]})
+    assert r.status_code == 409 and "'busy'" in r.json()["error"]["message"], r.text
+    assert client.post("/abort_request", json={"rid": "no-such-request"}).json() == {"aborted": 0}
+    assert client.post("/abort_request", json={"rid": "busy"}).json() == {"aborted": 1}
+    reader.join(60)
+    finals = reader.finals()
+    assert sorted(finals) == [0, 1, 2] and all(f["meta_info"]["finish_reason"]["type"] == "abort" for f in finals.values())
+    assert all(f["meta_info"]["completion_tokens"] < most for f in finals.values())
+
+
+def test_reusing_a_rid_after_a_disconnect_gets_only_its_own_output(server, client):
+    """A streams rid R and hangs up; B posts rid R at once. A's last outputs (its abort) must never
+    reach B: B once got a 500 with n=4 (IndexError), and A's finish_reason and prompt_tokens with n=1."""
+    params = {**GREEDY, "max_new_tokens": 5, "ignore_eos": True}
+    ref = _generate(client, text="Hello", sampling_params=params)
+    for n in (1, 4, 1, 4):
+        sampling = {"n": n, "max_new_tokens": 1000, "ignore_eos": True}
+        long = {"text": PROMPT, "rid": "reused", "stream": True, "sampling_params": sampling}
+        sock = raw_request(server.port, "/generate", json.dumps(long).encode())
+        sock.settimeout(60)
+        received = b""
+        while b"data: {" not in received:
+            received += sock.recv(65536)
+        sock.close()
+        deadline = time.monotonic() + 30
+        while True:  # until the front has seen the disconnect, R is still in use
+            r = client.post("/generate", json={"text": "Hello", "rid": "reused", "sampling_params": params})
+            if r.status_code not in (400, 409) or "in use" not in r.text or time.monotonic() > deadline:
+                break
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["output_ids"] == ref["output_ids"], out
+        assert out["meta_info"]["prompt_tokens"] == ref["meta_info"]["prompt_tokens"]
+        assert out["meta_info"]["finish_reason"]["type"] == "length"
+    assert_pages_balanced(server.wait_idle())

@@ -182,6 +182,18 @@ def test_bad_input_is_a_clear_error(engine):
     assert engine.generate("hi", {"max_new_tokens": 1})["meta_info"]["completion_tokens"] == 1
 
 
+def test_a_callers_rid_is_a_label_that_cannot_reach_another_request(engine):
+    """rid `x#1` once named sample 1 of rid `x` inside the runtime, and the worker died of it."""
+    params = [{**GREEDY, "n": 2, "max_new_tokens": 2}, {**GREEDY, "max_new_tokens": 12, "ignore_eos": True}]
+    outs = engine.generate(["Hello", "World"], params, rid=["x", "x#1"])
+    assert [o["meta_info"]["id"] for o in outs] == ["x", "x", "x#1"]
+    assert outs[2]["meta_info"]["completion_tokens"] == 12
+    assert outs[2]["output_ids"] == engine.generate("World", params[1])["output_ids"]
+    with pytest.raises(InvalidRequest, match="'x' is given twice"):
+        engine.generate(["Hello", "World"], rid=["x", "x"])
+    assert_pages_balanced(engine)
+
+
 def test_tiny_pool_retracts_and_matches_roomy_pool(tiny_dir):
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho".split()
     texts = [" ".join(words[(i + j) % len(words)] for j in range(8 + i % 5)) for i in range(12)]

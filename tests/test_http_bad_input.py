@@ -81,6 +81,19 @@ CASES = {
     "one rid for a batch": (*_gen(text=["a", "b"], rid="same"), 400, "rid"),
     "per-prompt params of the wrong length": (*_gen(text=["a", "b"], sampling_params=[{}]), 400, "sampling_params"),
     "batch larger than the queue": (*_gen(text=["a"] * 10, sampling_params={"n": 10}), 400, "sequences"),
+    "a batch of prompts larger than the queue": (*_gen(text=["a"] * 65), 400, "sequences"),
+    "duplicate rids in a batch": (*_gen(text=["a", "b"], rid=["r", "r"]), 400, "rid"),
+    "rid too long": (*_gen(text="hi", rid="r" * 257), 400, "rid"),
+    "empty cache_salt": (*_gen(text="hi", cache_salt=""), 400, "cache_salt"),
+    "falsy unknown field": (*_gen(text="hi", foo=0), 400, "foo"),
+    "falsy unknown field 0.0": (*_gen(text="hi", bar=0.0), 400, "bar"),
+    "logit_bias superscript key": (*_sp(logit_bias={"\u00b2": 1}), 400, "logit_bias"),
+    "logit_bias 5000-digit key": (*_sp(logit_bias={"1" * 5000: 1}), 400, "logit_bias"),
+    "logit_bias huge integer bias": (*_sp(logit_bias={"1": 10**400}), 400, "logit_bias"),
+    "too many stop_token_ids": (*_sp(stop_token_ids=[1] * 1025), 400, "stop_token_ids"),
+    "denormal temperature": (*_sp(temperature=1e-45), 400, "temperature"),
+    "huge integer temperature": (*_sp(temperature=10**400), 400, "temperature"),
+    "tiny repetition_penalty": (*_sp(repetition_penalty=1e-300), 400, "repetition_penalty"),
     # OpenAI routes
     "completions without prompt": ("POST", "/v1/completions", {"model": "tiny"}, 400, "prompt"),
     "completions prompt is an object": (*_cmpl(prompt={"a": 1}), 400, "prompt"),
@@ -94,6 +107,10 @@ CASES = {
     "completions suffix": (*_cmpl(suffix="end"), 400, "suffix"),
     "completions best_of": (*_cmpl(best_of=5), 400, "best_of"),
     "completions logit_bias out of range": (*_cmpl(logit_bias={"1": 500}), 400, "logit_bias"),
+    "completions logit_bias double minus": (*_cmpl(logit_bias={"--5": 1}), 400, "logit_bias"),
+    "completions huge integer top_p": (*_cmpl(top_p=-(10**400)), 400, "top_p"),
+    "completions empty prompt": (*_cmpl(prompt=""), 400, "empty"),
+    "completions empty cache_salt": (*_cmpl(cache_salt=""), 400, "cache_salt"),
     "completions echo not a boolean": (*_cmpl(echo="yes"), 400, "echo"),
     "completions stream_options not an object": (*_cmpl(stream=True, stream_options="x"), 400, "stream_options"),
     "completions model not a string": (*_cmpl(model=5), 400, "model"),
@@ -158,6 +175,22 @@ def test_every_kind_of_bad_input_gets_a_4xx_with_a_message(server):
         good = client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}})
         assert good.status_code == 200 and good.json()["meta_info"]["completion_tokens"] == 3
         assert client.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/generate", {"text": ""}, "text"),
+        ("/generate", {"text": ["a", ""]}, "text"),
+        ("/generate", {"text": "hi", "foo": 0}, "foo"),
+        ("/generate", {"text": "hi", "cache_salt": ""}, "cache_salt"),
+        ("/v1/completions", {"prompt": ""}, "prompt"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"\u00b2": 1}}, "logit_bias"),
+    ],
+)
+def test_the_error_names_the_field_the_client_sent(server, path, body, param):
+    r = httpx.post(server.url + path, json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
 def test_bad_input_does_not_crash_the_server(server):

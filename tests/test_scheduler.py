@@ -62,19 +62,34 @@ def make(page_size: int = 4, pages: int = 256, **options) -> tuple[Scheduler, Fa
     return sched, FakeWorker(config.max_running_requests, pages, page_size)
 
 
-def request(rid: str, ids: list[int], max_new: int = 5, **kw) -> TokenizedRequest:
-    return TokenizedRequest(rid, ids, SamplingParams(temperature=0.0, max_new_tokens=max_new, **kw.pop("sp", {})), **kw)
+_RIDS: dict[str, int] = {}
+
+
+def rid(name: str) -> int:
+    """Tests name their requests; on the wire a request's id is the int the front assigned."""
+    return _RIDS.setdefault(name, len(_RIDS))
+
+
+def key(name: str, index: int = 0) -> str:
+    """The worker's name for a sample (`Request.key`)."""
+    return f"{rid(name)}#{index}"
+
+
+def request(name: str, ids: list[int], max_new: int = 5, **kw) -> TokenizedRequest:
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=max_new, **kw.pop("sp", {}))
+    return TokenizedRequest(rid(name), ids, sampling, **kw)
 
 
 def run(sched: Scheduler, worker: FakeWorker, max_steps: int = 10_000) -> dict[tuple[str, int], dict]:
-    """Step until idle; return each sample's tokens, cached count and finish reason."""
+    """Step until idle; return each sample's tokens, cached count and finish reason, by name."""
+    names = {v: k for k, v in _RIDS.items()}
     done: dict[tuple[str, int], dict] = {}
     for _ in range(max_steps):
         batch = sched.build_batch()
         if batch is not None:
             sched.process_result(worker.step(batch))
         for out in sched.outputs:
-            d = done.setdefault((out.rid, out.index), {"tokens": [], "cached": out.cached_tokens})
+            d = done.setdefault((names[out.rid], out.index), {"tokens": [], "cached": out.cached_tokens})
             d["tokens"] += out.new_token_ids
             if out.finish is not None:
                 d["finish"] = out.finish
@@ -128,7 +143,7 @@ def test_lpm_admits_the_longest_cached_prefix_first():
     sched.add_request(request("cold", list(range(700, 741))))
     sched.add_request(request("hot", doc + [9]))
     batch = sched.build_batch()
-    assert [c.rid for c in batch.chunks] == ["hot"]
+    assert [c.rid for c in batch.chunks] == [key("hot")]
 
 
 def test_lpm_deduplicates_a_burst_over_a_new_document():
@@ -137,7 +152,7 @@ def test_lpm_deduplicates_a_burst_over_a_new_document():
     for i in range(4):
         sched.add_request(request(f"q{i}", doc + [900 + i, 901 + i]))
     first = sched.build_batch()
-    assert [c.rid for c in first.chunks] == ["q0"]  # the others wait for q0's pages
+    assert [c.rid for c in first.chunks] == [key("q0")]  # the others wait for q0's pages
     sched.process_result(worker.step(first))
     sched.outputs = []
     done = run(sched, worker)
@@ -170,8 +185,8 @@ def test_abort_waiting_and_running_requests_frees_pages():
     sched.add_request(request("run", list(range(10, 30)), max_new=100))
     sched.add_request(request("wait", list(range(40, 60)), max_new=100))
     sched.process_result(worker.step(sched.build_batch()))
-    sched.abort("wait")
-    sched.abort("run")
+    sched.abort(rid("wait"))
+    sched.abort(rid("run"))
     done = run(sched, worker)
     assert done["wait", 0]["finish"].type == "abort"
     assert done["run", 0]["finish"].type == "abort"

@@ -135,8 +135,8 @@ INVALID = [
     ({"min_p": -0.1}, "min_p", "min_p must be between 0.0 and 1.0, got -0.1"),
     ({"frequency_penalty": 2.5}, "frequency_penalty", "between -2.0 and 2.0, got 2.5"),
     ({"presence_penalty": -3}, "presence_penalty", "between -2.0 and 2.0, got -3"),
-    ({"repetition_penalty": 0}, "repetition_penalty", "must be > 0.0 and <= 10.0, got 0"),
-    ({"repetition_penalty": 11}, "repetition_penalty", "must be > 0.0 and <= 10.0, got 11"),
+    ({"repetition_penalty": 0}, "repetition_penalty", "must be between 0.01 and 10.0, got 0"),
+    ({"repetition_penalty": 11}, "repetition_penalty", "must be between 0.01 and 10.0, got 11"),
     ({"n": 0}, "n", "n must be between 1 and 16, got 0"),
     ({"n": 17}, "n", "n must be between 1 and 16, got 17"),
     ({"seed": -1}, "seed", f"seed must be between 0 and {MAX_SEED}, got -1"),
@@ -293,3 +293,114 @@ def test_check_lengths_errors(
     with pytest.raises(InvalidRequest) as info:
         check_lengths(*args, **kwargs)
     assert info.value.message == message
+
+
+# --------------------------------------------------------------------------- hostile values
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["\u00b2", "--5", "1" * 5000, " 5", "+5", "5.0", "\u0663", "-1", ""],
+    ids=["superscript", "double minus", "5000 digits", "space", "plus", "decimal", "arabic digit", "negative", "empty"],
+)
+def test_logit_bias_keys_must_be_ascii_decimal_token_ids(key: str) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        parse({"logit_bias": {key: 1.0}})
+    assert info.value.param == "logit_bias"
+    assert "ASCII decimal" in info.value.message and len(info.value.message) < 300
+    assert parse({"logit_bias": {"0": 1, str(VOCAB - 1): -1}}).logit_bias == {0: 1.0, VOCAB - 1: -1.0}
+
+
+def test_list_valued_fields_are_capped_and_stop_token_ids_deduplicated() -> None:
+    cap = LIMITS.max_stop_token_ids
+    assert cap == 1024
+    assert parse({"stop_token_ids": [5, 7, 5, 5, 7, 9]}).stop_token_ids == [5, 7, 9]
+    assert len(parse({"stop_token_ids": [i % VOCAB for i in range(cap)]}).stop_token_ids) == VOCAB
+    with pytest.raises(InvalidRequest, match=f"at most {cap} stop_token_ids are allowed, got {cap + 1}"):
+        parse({"stop_token_ids": [1] * (cap + 1)})
+    with pytest.raises(InvalidRequest, match=f"at most {LIMITS.max_logit_bias} are allowed"):
+        parse({"logit_bias": {str(i): 1 for i in range(LIMITS.max_logit_bias + 1)}}, Limits())
+    assert parse({"stop": ["a", "b", "a"]}).stop == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    ("raw", "param", "message"),
+    [
+        ({"temperature": 1e-45}, "temperature", "temperature must be 0 (greedy) or between 1e-05 and 100.0"),
+        ({"temperature": 1e-6}, "temperature", "temperature must be 0 (greedy) or between 1e-05"),
+        ({"repetition_penalty": 1e-300}, "repetition_penalty", "between 0.01 and 10.0, got 1e-300"),
+        ({"repetition_penalty": 0.009}, "repetition_penalty", "between 0.01 and 10.0"),
+        ({"temperature": 10**400}, "temperature", "temperature must be a finite number"),
+        ({"top_p": -(10**400)}, "top_p", "top_p must be a finite number"),
+        ({"logit_bias": {"1": 10**400}}, "logit_bias", "must be a number between -100 and 100"),
+    ],
+    ids=["denormal temperature", "tiny temperature", "tiny repetition_penalty", "repetition_penalty below 0.01",
+         "huge int temperature", "huge int top_p", "huge int bias"],
+)
+def test_values_that_would_make_a_nan_distribution_are_rejected(raw: Any, param: str, message: str) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        parse(raw)
+    assert info.value.param == param and message in info.value.message, info.value.message
+
+
+def test_smallest_accepted_values_give_a_finite_distribution() -> None:
+    """The bounds are where sampling stays exact: the worst accepted settings on large logits."""
+    import torch
+
+    from radixserve.worker.sampler import Sampler, SamplingState
+
+    sp = parse({"temperature": 1e-5, "repetition_penalty": 0.01, "logit_bias": {"3": 100}})
+    logits = torch.full((1, VOCAB), -300.0)
+    logits[0, 3] = 300.0
+    state = SamplingState(sp, prompt_ids=[3, 4])
+    assert Sampler(VOCAB).sample(logits, [state]).token_ids == [3]
+
+
+# --------------------------------------------------------------------------- build_requests
+
+
+class _CharTokenizer:
+    """One token per character; counts its calls, so a test sees what was tokenized."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, text: str) -> Any:
+        self.calls += 1
+        return type("Encoding", (), {"input_ids": [ord(c) % VOCAB for c in text]})()
+
+
+def build(**fields: Any) -> list[Any]:
+    from radixserve.front.inputs import build_requests
+    from radixserve.protocol import SchedulerReady
+
+    ready = SchedulerReady(1024, 4, 256, VOCAB, [2], "stub", "float32", "cpu", "avx2")
+    return build_requests(fields.pop("tokenizer", _CharTokenizer()), ready, fields.pop("limits", LIMITS), **fields)[0]
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "message"),
+    [
+        ({"text": ""}, "text", "`text` is empty"),
+        ({"text": ["a", ""]}, "text", "`text[1]` is empty"),
+        ({"text": "hi", "cache_salt": ""}, "cache_salt", "`cache_salt` must be a non-empty string"),
+        ({"text": "hi", "cache_salt": "s" * 257}, "cache_salt", "has 257 characters; at most 256 are allowed"),
+        ({"text": ["a", "b", "c"], "rid": ["x", "y", "x"]}, "rid", "'x' is given twice"),
+        ({"text": "hi", "rid": "r" * 257}, "rid", "has 257 characters; at most 256 are allowed"),
+    ],
+    ids=["empty text", "empty text in a batch", "empty salt", "long salt", "duplicate rids", "long rid"],
+)
+def test_build_requests_names_the_field(fields: dict[str, Any], param: str, message: str) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        build(**fields)
+    assert info.value.param == param and message in info.value.message, info.value.message
+
+
+def test_a_batch_over_the_sequence_cap_is_refused_before_tokenizing() -> None:
+    tokenizer, limits = _CharTokenizer(), Limits(max_sequences=4)
+    with pytest.raises(InvalidRequest, match="5 sequences .* at most 4"):
+        build(text=["a"] * 5, tokenizer=tokenizer, limits=limits)
+    assert tokenizer.calls == 0
+    with pytest.raises(InvalidRequest, match="6 sequences .* at most 4"):
+        build(text=["a", "b"], sampling_params={"n": 3}, tokenizer=tokenizer, limits=limits)
+    assert len(build(text=["a", "b"], sampling_params={"n": 2}, limits=limits)) == 2

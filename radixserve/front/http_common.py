@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from radixserve.front.manager import EngineDead, RequestFailed
+from radixserve.front.manager import EngineDead, RequestFailed, RidInUse
 from radixserve.front.validation import InvalidRequest
 
 log = logging.getLogger("radixserve.http")
@@ -70,6 +70,8 @@ def to_http_error(exc: BaseException) -> HTTPError:
         return HTTPError(400, exc.message, param=exc.param)
     if isinstance(exc, EngineDead):
         return HTTPError(503, f"the server cannot serve requests: {exc.message}", code="engine_dead")
+    if isinstance(exc, RidInUse):
+        return HTTPError(409, exc.message, param="rid", code="rid_in_use")
     if isinstance(exc, RequestFailed):
         if exc.retryable:
             return HTTPError(503, exc.message, code="overloaded", headers={"Retry-After": RETRY_AFTER_S})

@@ -13,7 +13,7 @@ parse, call the front library, shape the answer.
                            (also /get_model_info)
     POST /flush_cache      drop every unlocked cached prefix (GET too, as SGLang allows;
                            /reset_prefix_cache is vLLM's name for it)
-    POST /abort_request    abort a request by `rid` (or every one with `abort_all`)
+    POST /abort_request    abort a request by its caller's `rid` (or every one with `abort_all`)
     POST /generate         SGLang's native API (text or input_ids, one or a batch; SSE streaming)
     GET  /v1/models        the one served model
     POST /v1/completions, /v1/chat/completions   see openai_api.py
@@ -69,11 +69,13 @@ _GENERATE_FIELDS = frozenset({
     "text", "input_ids", "sampling_params", "stream", "return_logprob", "logprob_start_len",
     "top_logprobs_num", "return_text_in_logprobs", "rid", "cache_salt",
 })
-# SGLang fields we do not implement: accepted only when null/false/empty
+# SGLang fields we do not implement: accepted only when null, false or empty (never 0: a
+# typo'd or unknown field is an error whatever its value)
 _GENERATE_UNSUPPORTED = frozenset({
     "image_data", "video_data", "audio_data", "input_embeds", "lora_path", "lora_id",
-    "session_params", "custom_logit_processor", "return_hidden_states", "token_ids_logprob",
-    "bootstrap_host", "bootstrap_port", "bootstrap_room", "data_parallel_rank", "modalities",
+    "session_params", "custom_logit_processor", "return_hidden_states", "return_routed_experts",
+    "token_ids_logprob", "bootstrap_host", "bootstrap_port", "bootstrap_room", "data_parallel_rank",
+    "modalities",
 })
 
 
@@ -273,8 +275,10 @@ async def model_info(request: Request) -> Response:
 
 @handles_errors
 async def abort_request(request: Request) -> Response:
-    """SGLang's `/abort_request`: `{"rid": ...}` or `{"abort_all": true}`. The aborted
-    requests finish with `finish_reason.type == "abort"`; an unknown rid is not an error."""
+    """SGLang's `/abort_request`: `{"rid": ...}` (the rid the caller gave; every sample of
+    that request) or `{"abort_all": true}`. The aborted requests finish with
+    `finish_reason.type == "abort"`; `aborted` counts the requests found in flight (0 for an
+    unknown or finished rid, which is not an error)."""
     state = _state(request)
     body = await read_json(request, state.config.max_body_bytes)
     rid, abort_all = body.get("rid"), body.get("abort_all", False)
@@ -283,10 +287,8 @@ async def abort_request(request: Request) -> Response:
     if not abort_all and (not isinstance(rid, str) or not rid):
         raise InvalidRequest("give `rid` (a request id) or `abort_all: true`", param="rid")
     manager = state.get_manager()
-    rids = manager.live_rids() if abort_all else [rid]
-    for r in rids:
-        manager.abort(r)
-    return JSONResponse({"aborted": len(rids)})
+    aborted = manager.abort_all() if abort_all else int(manager.abort(rid))
+    return JSONResponse({"aborted": aborted})
 
 
 @handles_errors
@@ -308,10 +310,7 @@ async def generate(request: Request) -> Response:
     body = await read_json(request, state.config.max_body_bytes)
     stream = _check_generate_fields(body)
     fields = {k: body[k] for k in _GENERATE_FIELDS - {"stream"} if body.get(k) is not None}
-    if isinstance(fields.get("rid"), str) and _num_prompts(body) > 1:
-        raise InvalidRequest("`rid` must be a list with one id per prompt for a batch", param="rid")
     requests, is_batch = build_requests(state.tokenizer, state.ready, state.limits, **fields)
-    state.check_batch(requests)
     many = is_batch or sum(r.sampling.n for r in requests) > 1
     if stream:
         return await _stream_generate(request, state, requests, many)
@@ -324,9 +323,11 @@ async def generate(request: Request) -> Response:
 def _check_generate_fields(body: dict[str, Any]) -> bool:
     """Reject unknown and unsupported fields and wrongly typed flags; returns `stream`."""
     for key, value in body.items():
-        if key in _GENERATE_FIELDS or value in (None, False, [], {}, ""):
+        if key in _GENERATE_FIELDS:
             continue
         if key in _GENERATE_UNSUPPORTED:
+            if value is None or value is False or (type(value) in (list, dict, str) and not value):
+                continue
             raise InvalidRequest(f"`{key}` is not supported yet", param=key)
         raise InvalidRequest(f"unknown field `{key}`; known fields: {', '.join(sorted(_GENERATE_FIELDS))}", param=key)
     for key in ("stream", "return_text_in_logprobs"):
@@ -337,15 +338,6 @@ def _check_generate_fields(body: dict[str, Any]) -> bool:
     if not all(f is None or type(f) is bool for f in flags):
         raise InvalidRequest("`return_logprob` must be a boolean or a list of booleans", param="return_logprob")
     return bool(body.get("stream"))
-
-
-def _num_prompts(body: dict[str, Any]) -> int:
-    text, ids = body.get("text"), body.get("input_ids")
-    if isinstance(text, list):
-        return len(text)
-    if isinstance(ids, list) and ids and isinstance(ids[0], list):
-        return len(ids)
-    return 1
 
 
 async def _stream_generate(request: Request, state: ServerState, requests: list[GenerateRequest], many: bool) -> Response:

@@ -35,45 +35,104 @@ def build_requests(
     return_text_in_logprobs: bool = False,
     cache_salt: str | list[str] | None = None,
 ) -> tuple[list[GenerateRequest], bool]:
-    """Returns the requests and whether the input was a batch (a list) rather than one prompt."""
-    if (text is None) == (input_ids is None):
-        raise InvalidRequest("give exactly one of `text` and `input_ids`")
-    if text is not None:
-        is_batch = isinstance(text, list)
-        texts = text if is_batch else [text]
-        if not texts or not all(isinstance(t, str) for t in texts):
-            raise InvalidRequest("`text` must be a string or a non-empty list of strings", param="text")
-        prompts = [encode(tokenizer, t) for t in texts]
-    else:
-        is_batch = isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)
-        prompts = input_ids if is_batch else [input_ids]  # type: ignore[list-item]
+    """Returns the requests and whether the input was a batch (a list) rather than one prompt.
+
+    Sizes are checked before the work they would cost: the number of prompts before any is
+    tokenized, a token-id list's length before its ids are.
+    """
+    prompts, is_batch = _prompts(tokenizer, text, input_ids, limits)
     n = len(prompts)
+    rids = _rids(rid, n, limits)
     requests = []
     for i, ids in enumerate(prompts):
-        validate_input_ids(ids, ready.vocab_size)
         raw = _pick(sampling_params, i, n, "sampling_params")
         sampling = parse_sampling_params(raw, vocab_size=ready.vocab_size, limits=limits)
-        check_lengths(len(ids), sampling.max_new_tokens, ready.context_len)
+        if isinstance(ids, list) and ids:
+            check_lengths(len(ids), sampling.max_new_tokens, ready.context_len)
+        validate_input_ids(ids, ready.vocab_size)
         want_logprob = bool(_pick(return_logprob, i, n, "return_logprob"))
         start = _pick(logprob_start_len, i, n, "logprob_start_len")
         top = _pick(top_logprobs_num, i, n, "top_logprobs_num")
         _check_int("logprob_start_len", -1 if start is None else start, -1, len(ids))
         _check_int("top_logprobs_num", top, 0, limits.max_top_logprobs)
-        salt = _pick(cache_salt, i, n, "cache_salt")
-        if salt is not None and not isinstance(salt, str):
-            raise InvalidRequest("`cache_salt` must be a string", param="cache_salt")
         req = GenerateRequest(
             input_ids=list(ids), sampling=sampling, return_logprob=want_logprob,
             logprob_start_len=-1 if start is None else start, top_logprobs_num=top,
-            return_text_in_logprobs=bool(return_text_in_logprobs), cache_salt=salt,
+            return_text_in_logprobs=bool(return_text_in_logprobs),
+            cache_salt=_salt(_pick(cache_salt, i, n, "cache_salt"), limits),
         )
-        this_rid = _pick(rid, i, n, "rid")
-        if this_rid is not None:
-            if not isinstance(this_rid, str) or not this_rid:
-                raise InvalidRequest("`rid` must be a non-empty string", param="rid")
-            req.rid = this_rid
+        if rids[i] is not None:
+            req.rid = rids[i]
         requests.append(req)
+    _check_sequences(sum(r.sampling.n for r in requests), limits)
     return requests, is_batch
+
+
+def _prompts(tokenizer: Any, text: Any, input_ids: Any, limits: Limits) -> tuple[list[Any], bool]:
+    """The prompts as token-id lists (ids unchecked yet), and whether they came as a batch."""
+    if (text is None) == (input_ids is None):
+        raise InvalidRequest("give exactly one of `text` and `input_ids`")
+    if text is None:
+        is_batch = isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)
+        prompts = input_ids if is_batch else [input_ids]
+        _check_sequences(len(prompts), limits, at_least=True)
+        return prompts, is_batch
+    is_batch = isinstance(text, list)
+    texts = text if is_batch else [text]
+    if not texts or not all(isinstance(t, str) for t in texts):
+        raise InvalidRequest("`text` must be a string or a non-empty list of strings", param="text")
+    _check_sequences(len(texts), limits, at_least=True)
+    prompts = []
+    for i, t in enumerate(texts):
+        ids = encode(tokenizer, t) if t else []
+        if not ids:
+            name = f"text[{i}]" if is_batch else "text"
+            raise InvalidRequest(f"`{name}` is empty; a prompt needs at least one token", param="text")
+        prompts.append(ids)
+    return prompts, is_batch
+
+
+def _rids(rid: Any, n: int, limits: Limits) -> list[str | None]:
+    """The caller's labels, one per prompt (None: a random one). Unique within the call; whether
+    one is taken by a request in flight is the `TokenizerManager`'s to say."""
+    if isinstance(rid, str) and n > 1:
+        raise InvalidRequest("`rid` must be a list with one id per prompt for a batch", param="rid")
+    rids = [_pick(rid, i, n, "rid") for i in range(n)]
+    seen: set[str] = set()
+    for r in rids:
+        if r is None:
+            continue
+        if not isinstance(r, str) or not r:
+            raise InvalidRequest("`rid` must be a non-empty string", param="rid")
+        if len(r) > limits.max_rid_chars:
+            raise InvalidRequest(f"`rid` has {len(r)} characters; at most {limits.max_rid_chars} are allowed", param="rid")
+        if r in seen:
+            raise InvalidRequest(f"`rid` {r!r} is given twice; each prompt of a batch needs its own", param="rid")
+        seen.add(r)
+    return rids
+
+
+def _salt(salt: Any, limits: Limits) -> str | None:
+    """None is the shared cache; an empty salt is refused rather than silently shared."""
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not salt:
+        raise InvalidRequest("`cache_salt` must be a non-empty string (omit it for the shared cache)", param="cache_salt")
+    if len(salt) > limits.max_cache_salt_chars:
+        raise InvalidRequest(
+            f"`cache_salt` has {len(salt)} characters; at most {limits.max_cache_salt_chars} are allowed",
+            param="cache_salt",
+        )
+    return salt
+
+
+def _check_sequences(count: int, limits: Limits, at_least: bool = False) -> None:
+    if count > limits.max_sequences:
+        asks = f"at least {count}" if at_least else str(count)
+        raise InvalidRequest(
+            f"the request asks for {asks} sequences (prompts x n); this server queues at most "
+            f"{limits.max_sequences}"
+        )
 
 
 def _pick(value: Any, i: int, n: int, name: str) -> Any:

@@ -1,8 +1,9 @@
 """The front's side of the runtime: send tokenized requests, turn token batches into results.
 
-Used by the HTTP server and by `Engine`. It owns per-request output streams, incremental
-detokenization, stop-string trimming, abort on cancel, and failing every in-flight request
-with a clear error when the scheduler or worker dies.
+Used by the HTTP server and by `Engine`. It owns the internal request ids (a caller's rid is a
+label mapped to one), per-request output streams, incremental detokenization, stop-string
+trimming, abort on cancel, and failing every in-flight request with a clear error when the
+scheduler or worker dies.
 """
 
 from __future__ import annotations
@@ -50,9 +51,26 @@ class EngineDead(RequestFailed):
     """The scheduler or worker process is gone; nothing will be served until a restart."""
 
 
+class RidInUse(RequestFailed):
+    """The caller's rid labels a request still in flight (HTTP 409): rids name requests for
+    `abort`, so two live ones cannot share one."""
+
+    def __init__(self, rid: str) -> None:
+        super().__init__(
+            f"request id {rid!r} is in use by a request in flight; pick another, or wait for it to finish"
+        )
+        self.rid = rid
+
+
 @dataclass
 class GenerateRequest:
-    """A validated, tokenized request as the front submits it."""
+    """A validated, tokenized request as the front submits it.
+
+    `rid` is the caller's label: echoed as `meta_info.id`, unique among this front's requests in
+    flight, and what `abort` takes. It never leaves the front: each submission travels under an
+    internal id of its own (`TokenizedRequest.rid`), so a label can be reused the moment its
+    request ends, and can never name a sample or another request inside the runtime.
+    """
 
     input_ids: list[int]
     sampling: SamplingParams
@@ -83,7 +101,13 @@ class _SampleState:
 
 
 class TokenizerManager:
-    """Talks to the scheduler over ZMQ from an asyncio loop."""
+    """Talks to the scheduler over ZMQ from an asyncio loop.
+
+    It owns the mapping between callers' rids (labels) and internal ids: every submission gets
+    the next int of a counter, outputs are routed by it alone, and a submission's queue is gone
+    once it ends, so late outputs of an aborted request are dropped, never delivered to a new
+    request that reuses the label.
+    """
 
     def __init__(self, endpoints: Endpoints, ready: SchedulerReady, tokenizer: Any) -> None:
         self.ready = ready
@@ -92,7 +116,9 @@ class TokenizerManager:
         self._to_scheduler.setsockopt(zmq.LINGER, 0)
         self._to_scheduler.connect(endpoints.front_to_scheduler)
         self._encoder = msgspec.msgpack.Encoder()
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._queues: dict[int, asyncio.Queue] = {}  # internal id -> that submission's outputs
+        self._live: dict[str, int] = {}  # caller's rid -> internal id, while in flight
+        self._ids = itertools.count()
         self._replies: dict[int, asyncio.Future] = {}
         self._req_ids = itertools.count()
         self._dead: str | None = None
@@ -158,13 +184,31 @@ class TokenizerManager:
     async def flush_cache(self, timeout: float = 30.0) -> FlushCacheDone:
         return await self._ask(FlushCache, timeout)
 
-    def live_rids(self) -> list[str]:
-        """The ids of every request this front is waiting on."""
-        return list(self._queues)
+    def check_rids_free(self, rids: list[str]) -> None:
+        """Raise `RidInUse` before anything is sent, so a batch is refused whole; `generate`
+        checks again for itself."""
+        for rid in rids:
+            if rid in self._live:
+                raise RidInUse(rid)
 
-    def abort(self, rid: str) -> None:
+    def abort(self, rid: str) -> bool:
+        """Abort every sample of the request in flight labelled `rid`; False if there is none."""
+        internal = self._live.get(rid)
+        if internal is None:
+            return False
+        self._abort(internal)
+        return True
+
+    def abort_all(self) -> int:
+        """Abort every request in flight; returns how many."""
+        internal = list(self._live.values())
+        for i in internal:
+            self._abort(i)
+        return len(internal)
+
+    def _abort(self, internal: int) -> None:
         if not self._dead:
-            self._send(AbortRequest(rid))
+            self._send(AbortRequest(internal))
 
     async def shutdown(self) -> None:
         """Stop dispatching; the backend's own `stop` ends the processes."""
@@ -181,22 +225,23 @@ class TokenizerManager:
         `meta_info.finish_reason` set. Cancelling the consumer aborts the request."""
         if self._dead:
             raise EngineDead(self._dead)
-        if req.rid in self._queues:
-            raise RequestFailed(f"request id {req.rid!r} is already in use")
-        n = req.sampling.n
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[req.rid] = queue
+        if req.rid in self._live:
+            raise RidInUse(req.rid)
         start = time.monotonic()
-        states = [self._new_state(req) for _ in range(n)]
-        self._send(
-            TokenizedRequest(
-                rid=req.rid, input_ids=req.input_ids, sampling=req.sampling,
-                return_logprob=req.return_logprob, logprob_start_len=req.logprob_start_len,
-                top_logprobs_num=req.top_logprobs_num, cache_salt=req.cache_salt,
-            )
-        )
+        states = [self._new_state(req) for _ in range(req.sampling.n)]
+        internal = next(self._ids)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[internal] = queue
+        self._live[req.rid] = internal
         finished = False
         try:
+            self._send(
+                TokenizedRequest(
+                    rid=internal, input_ids=req.input_ids, sampling=req.sampling,
+                    return_logprob=req.return_logprob, logprob_start_len=req.logprob_start_len,
+                    top_logprobs_num=req.top_logprobs_num, cache_salt=req.cache_salt,
+                )
+            )
             while not all(s.done for s in states):
                 item = await queue.get()
                 if isinstance(item, Exception):
@@ -206,9 +251,9 @@ class TokenizerManager:
                 yield self._result(req, state, item.index, start)
             finished = True
         finally:
-            del self._queues[req.rid]
+            del self._queues[internal], self._live[req.rid]
             if not finished:
-                self.abort(req.rid)
+                self._abort(internal)
 
     def _new_state(self, req: GenerateRequest) -> _SampleState:
         p = req.sampling

@@ -14,6 +14,7 @@ OpenAI does; known fields with a wrong type, and constrained decoding, are 400s.
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -126,7 +127,7 @@ def _parse_completion(state: ServerState, body: dict[str, Any]) -> _Call:
     top = _opt_int(body, "logprobs", 0, state.limits.max_top_logprobs)
     echo = _opt_bool(body, "echo")
     sampling = _sampling(body, "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)
-    renames = {"max_new_tokens": "max_tokens", "top_logprobs_num": "logprobs", "input_ids": "prompt"}
+    renames = {"max_new_tokens": "max_tokens", "top_logprobs_num": "logprobs", "input_ids": "prompt", "text": "prompt"}
     call = _Call(chat=False, id=f"cmpl-{uuid.uuid4().hex}", model=state.model_name, requests=[])
     call.requests = _build(
         state, body, call.id, renames, text=text, input_ids=input_ids, sampling=sampling,
@@ -231,7 +232,6 @@ def _build(
         raise _renamed(exc, renames) from None
     for i, req in enumerate(requests):
         req.rid = f"{call_id}-{i}"
-    state.check_batch(requests)
     return requests
 
 
@@ -239,7 +239,7 @@ def _renamed(exc: InvalidRequest, renames: dict[str, str]) -> InvalidRequest:
     """Speak the client's language: `max_tokens`, not our internal `max_new_tokens`."""
     message, param = exc.message, exc.param
     for ours, theirs in [*renames.items(), ("min_new_tokens", "min_tokens")]:
-        message = message.replace(ours, theirs)
+        message = re.sub(rf"\b{re.escape(ours)}\b", theirs, message)  # `text`, never "context"
         param = theirs if param == ours else param
     return InvalidRequest(message, param=param)
 

@@ -28,11 +28,14 @@ class ServerState:
     backend: Backend
     ready: SchedulerReady
     tokenizer: Any
-    limits: Limits = field(default_factory=Limits)
+    limits: Limits = field(init=False)  # per-request caps; prompts x n capped at the queue's size
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     created: int = field(default_factory=lambda: int(time.time()))
     manager: TokenizerManager | None = None
     health_probe: asyncio.Future[str | None] | None = None  # the one-token probe /health runs when idle
+
+    def __post_init__(self) -> None:
+        self.limits = Limits(max_sequences=self.config.max_queued_requests)
 
     @property
     def model_name(self) -> str:
@@ -55,18 +58,11 @@ class ServerState:
                 param="model", code="model_not_found",
             )
 
-    def check_batch(self, requests: list[GenerateRequest]) -> None:
-        total = sum(r.sampling.n for r in requests)
-        if total > self.config.max_queued_requests:
-            raise HTTPError(
-                400, f"the request asks for {total} sequences (prompts x n); this server queues at "
-                f"most {self.config.max_queued_requests}",
-            )
-
     async def results(self, requests: list[GenerateRequest]) -> AsyncIterator[tuple[int, dict[str, Any]]]:
         """Cumulative results of every sequence as they come, tagged with the sequence's position
         (prompt-major: prompt i's n samples are consecutive). Closing the stream aborts the rest."""
         manager = self.get_manager()
+        manager.check_rids_free([r.rid for r in requests])
         offsets = list(itertools.accumulate((r.sampling.n for r in requests), initial=0))
         streams = [manager.generate(r) for r in requests]
         async with aclosing(merge(streams)) as merged:

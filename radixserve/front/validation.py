@@ -9,6 +9,7 @@ errors. ``None`` for any sampling parameter means "use the default", as OpenAI c
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
@@ -27,7 +28,11 @@ _UNSUPPORTED = {
 }
 # SGLang sampling keys that change nothing here: streaming already sends every step
 _ACCEPTED_NO_EFFECT = frozenset({"stream_interval"})
-MAX_LOGIT_BIAS = 1024  # entries; OpenAI documents no cap, vLLM none either
+# Below this, logits / temperature can overflow float32 and the distribution turns NaN. SGLang
+# and vLLM quietly treat near-zero temperatures as greedy (vLLM: under 1e-5, and it lifts the
+# rest below 0.01 to 0.01); we refuse rather than sample differently from what was asked.
+MIN_TEMPERATURE = 1e-5
+_TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")  # a logit_bias key: an ASCII decimal integer
 
 _JSON_TYPES = {
     bool: "boolean",
@@ -46,7 +51,7 @@ _FLOAT_RANGES = {
     "min_p": (0.0, 1.0, False),
     "frequency_penalty": (-2.0, 2.0, False),
     "presence_penalty": (-2.0, 2.0, False),
-    "repetition_penalty": (0.0, 10.0, True),
+    "repetition_penalty": (0.01, 10.0, False),  # smaller ones overflow the divided logits
 }
 _BOOLS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
 
@@ -69,6 +74,11 @@ class Limits:
     max_stop: int = 16  # stop strings per request
     max_stop_chars: int = 256  # characters per stop string
     max_top_logprobs: int = 20  # OpenAI's cap on top_logprobs
+    max_stop_token_ids: int = 1024  # each sample carries its own copy to the worker
+    max_logit_bias: int = 1024  # entries; OpenAI documents no cap, vLLM none either
+    max_sequences: int = 1024  # prompts x n of one call; the server sets --max-queued-requests
+    max_rid_chars: int = 256  # a rid is echoed in every streamed event
+    max_cache_salt_chars: int = 256
     max_prompt_tokens: int | None = None  # None: only the model's context length limits it
 
     def __post_init__(self) -> None:
@@ -85,12 +95,18 @@ def parse_sampling_params(
 
     Normalises two spellings of "off": ``top_k`` 0 and ``top_k >= vocab_size`` become -1. When
     ``max_new_tokens`` is absent, the default (128) is capped at ``limits.max_new_tokens``.
+    Repeated stop strings and stop token ids are dropped (first occurrence kept).
     """
     given = _known_keys(raw)
     out = _lengths(given, limits)
     for key, (lo, hi, lo_open) in _FLOAT_RANGES.items():
         if key in given:
             out[key] = _check_range(key, _float(given, key), lo, hi, lo_open=lo_open)
+    if 0.0 < out.get("temperature", 0.0) < MIN_TEMPERATURE:
+        raise InvalidRequest(
+            f"temperature must be 0 (greedy) or between {MIN_TEMPERATURE} and "
+            f"{_FLOAT_RANGES['temperature'][1]}, got {out['temperature']}", "temperature",
+        )
     if "top_k" in given:
         top_k = _int(given, "top_k")
         if top_k < -1:
@@ -101,11 +117,11 @@ def parse_sampling_params(
     if "seed" in given:
         out["seed"] = _check_range("seed", _int(given, "seed"), 0, MAX_SEED)
     if "logit_bias" in given:
-        out["logit_bias"] = _logit_bias(given["logit_bias"], vocab_size)
+        out["logit_bias"] = _logit_bias(given["logit_bias"], vocab_size, limits.max_logit_bias)
     if "stop" in given:
         out["stop"] = _stop_strings(given["stop"], limits)
     if "stop_token_ids" in given:
-        out["stop_token_ids"] = _token_ids(given["stop_token_ids"], vocab_size, "stop_token_ids")
+        out["stop_token_ids"] = _stop_token_ids(given["stop_token_ids"], vocab_size, limits)
     for key in _BOOLS:
         if key in given:
             if type(given[key]) is not bool:
@@ -205,9 +221,26 @@ def _float(given: Mapping[str, Any], key: str) -> float:
     value = given[key]
     if type(value) not in (int, float):
         raise InvalidRequest(f"{key} must be a number, got {_json_type(value)}", key)
-    if not math.isfinite(value):
-        raise InvalidRequest(f"{key} must be a finite number, got {value}", key)
-    return float(value)
+    number = _finite(value)
+    if number is None:
+        raise InvalidRequest(f"{key} must be a finite number, got {_short(value)}", key)
+    return number
+
+
+def _finite(value: int | float) -> float | None:
+    """The value as a finite float, or None (NaN, infinities, and JSON integers too large for
+    a float, which msgspec decodes as exact ints)."""
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _short(value: Any, limit: int = 40) -> str:
+    """repr of a client's value, cut short: an error message must not echo a huge key."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def _check_range(key: str, value: _Num, lo: float, hi: float, *, lo_open: bool = False) -> _Num:
@@ -237,24 +270,45 @@ def _stop_strings(value: Any, limits: Limits) -> list[str]:
                 f"stop[{i}] has {len(stop)} characters; at most {limits.max_stop_chars} are allowed",
                 "stop",
             )
-    return list(stops)
+    return list(dict.fromkeys(stops))
 
 
-def _logit_bias(value: Any, vocab_size: int) -> dict[int, float]:
-    """`{token id: bias}` with ids as JSON object keys (strings) or ints; bias in [-100, 100]."""
+def _logit_bias(value: Any, vocab_size: int, max_entries: int) -> dict[int, float]:
+    """`{token id: bias}` with ids as JSON object keys (ASCII decimal strings) or ints; bias in
+    [-100, 100]. A superscript two or "--5" passes `str.isdigit` (after a strip of "-") but is
+    not a token id, and int() of either fails."""
     if not isinstance(value, Mapping):
         raise InvalidRequest(f"logit_bias must be an object, got {_json_type(value)}", "logit_bias")
-    if len(value) > MAX_LOGIT_BIAS:
-        raise InvalidRequest(f"logit_bias has {len(value)} entries; at most {MAX_LOGIT_BIAS} are allowed", "logit_bias")
+    if len(value) > max_entries:
+        raise InvalidRequest(f"logit_bias has {len(value)} entries; at most {max_entries} are allowed", "logit_bias")
     out: dict[int, float] = {}
     for key, bias in value.items():
-        token = key if type(key) is int else int(key) if isinstance(key, str) and key.strip().lstrip("-").isdigit() else None
+        token = key if type(key) is int else None
+        if isinstance(key, str) and _TOKEN_ID_KEY.fullmatch(key):
+            token = int(key)
         if token is None or not 0 <= token < vocab_size:
-            raise InvalidRequest(f"logit_bias key {key!r} is not a token id in [0, {vocab_size})", "logit_bias")
-        if type(bias) not in (int, float) or not math.isfinite(bias) or not -100 <= bias <= 100:
-            raise InvalidRequest(f"logit_bias[{key!r}] must be a number between -100 and 100, got {bias!r}", "logit_bias")
-        out[token] = float(bias)
+            raise InvalidRequest(
+                f"logit_bias key {_short(key)} is not a token id: keys must be ASCII decimal "
+                f"integers in [0, {vocab_size})", "logit_bias",
+            )
+        number = _finite(bias) if type(bias) in (int, float) else None
+        if number is None or not -100 <= number <= 100:
+            raise InvalidRequest(
+                f"logit_bias[{_short(key)}] must be a number between -100 and 100, got {_short(bias)}",
+                "logit_bias",
+            )
+        out[token] = number
     return out
+
+
+def _stop_token_ids(value: Any, vocab_size: int, limits: Limits) -> list[int]:
+    """Capped before the per-id checks, and deduplicated: each sample carries its own copy."""
+    if isinstance(value, list) and len(value) > limits.max_stop_token_ids:
+        raise InvalidRequest(
+            f"at most {limits.max_stop_token_ids} stop_token_ids are allowed, got {len(value)}",
+            "stop_token_ids",
+        )
+    return list(dict.fromkeys(_token_ids(value, vocab_size, "stop_token_ids")))
 
 
 def _token_ids(ids: Any, vocab_size: int, key: str) -> list[int]:

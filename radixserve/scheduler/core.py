@@ -117,7 +117,8 @@ class Scheduler:
             self.waiting.append(req)
         return None
 
-    def abort(self, rid: str) -> None:
+    def abort(self, rid: int) -> None:
+        """End every sample of the submission `rid`; an id that is no longer live is ignored."""
         for req in [r for r in self.waiting if r.rid == rid]:
             self.waiting.remove(req)
             self._finish(req, FinishReason("abort", message="aborted"))

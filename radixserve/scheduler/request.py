@@ -25,7 +25,7 @@ class Request:
     output tokens, and resumes later through the cache.
     """
 
-    rid: str  # the client's request id
+    rid: int  # the front's internal id of the submission (never a client's rid)
     index: int  # sample index within the client request
     input_ids: list[int]
     sampling: SamplingParams
@@ -55,8 +55,9 @@ class Request:
 
     @property
     def key(self) -> str:
-        """Unique among live requests: the worker's name for this sample."""
-        return self.rid if self.index == 0 else f"{self.rid}#{self.index}"
+        """The worker's name for this sample, unique among live samples: `rid` is an int no client
+        writes, so `f"{rid}#{index}"` can never be another request's key."""
+        return f"{self.rid}#{self.index}"
 
     @property
     def fill_ids(self) -> list[int]:
