@@ -1,5 +1,10 @@
 """Token ids -> text, one step at a time, plus the stop-string search that runs on that text.
 
+A sample's output text is built twice, in two processes: by the scheduler, which searches it for
+stop strings, and by the front, which returns it. Both make their detokenizer with
+`output_detokenizer` and `add` the same token groups in the same order, so the two texts agree
+character for character and a stop match's position in one is its position in the other.
+
 Decoding each new token on its own is wrong in two ways, so `IncrementalDetokenizer` decodes a
 small window of recent tokens and emits the difference (the prefix/read-offset technique of
 vLLM and TGI):
@@ -26,6 +31,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from radixserve.protocol import SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -135,6 +142,24 @@ class IncrementalDetokenizer:
             spaces_between_special_tokens=self._spaces_between_special_tokens,
             clean_up_tokenization_spaces=False,
         )
+
+
+def output_detokenizer(
+    tokenizer: PreTrainedTokenizerBase, sampling: SamplingParams, prompt_ids: Sequence[int]
+) -> IncrementalDetokenizer:
+    """The detokenizer of one sample's output text, as the front and the scheduler both make it.
+
+    The text is ``"".join(add(group) for group in the sample's RequestOutput.new_token_ids)``, one
+    `add` per output in order; `finish()` only appends to it. `add` is deterministic, and only the
+    grouping of tokens could change its result (which tokens a forced release cuts at, for output
+    that is not valid UTF-8), so the same settings, context and groups give the same text. The
+    prompt is the context: SentencePiece decoders drop the leading space of a first token.
+    """
+    return IncrementalDetokenizer(
+        tokenizer, skip_special_tokens=sampling.skip_special_tokens,
+        spaces_between_special_tokens=sampling.spaces_between_special_tokens,
+        context_ids=prompt_ids,
+    )
 
 
 @dataclass(frozen=True)

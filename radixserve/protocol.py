@@ -100,10 +100,21 @@ FrontToScheduler = TokenizedRequest | AbortRequest | FlushCache | GetStats | Shu
 # --------------------------------------------------------------------------- scheduler -> front
 
 
-class FinishReason(msgspec.Struct, frozen=True):
+class FinishReason(msgspec.Struct, frozen=True, omit_defaults=True):
+    """How a sample ended, decided by the scheduler alone: the front only reports it.
+
+    For a stop string, `stop_position` is where the match begins in the sample's output text, in
+    characters: the text `detokenizer.output_detokenizer` builds from the sample's outputs, one
+    `add(new_token_ids)` per `RequestOutput` in order, which both the scheduler's stop checker
+    and the front build. The match completes within the text of this output's tokens, so it lies
+    wholly in the text before `finish()`. The front cuts the text there (unless `no_stop_trim`);
+    it never searches for the string, which may also occur earlier (before `min_new_tokens`).
+    """
+
     type: str  # "stop" | "length" | "abort"
     matched: int | str | None = None  # the stop token id or stop string, for type "stop"
     message: str | None = None  # why, for "abort"
+    stop_position: int | None = None  # for a stop string: where it begins in the output text
 
 
 class RequestOutput(msgspec.Struct, omit_defaults=True, array_like=True):
@@ -111,13 +122,16 @@ class RequestOutput(msgspec.Struct, omit_defaults=True, array_like=True):
 
     rid: int  # the front's internal id (TokenizedRequest.rid)
     index: int  # which of the request's n samples
-    new_token_ids: list[int]
+    new_token_ids: list[int]  # one detokenizer `add` at both ends (see FinishReason.stop_position)
     prompt_tokens: int
     cached_tokens: int
     finish: FinishReason | None = None
     output_logprobs: list[float] = []
     output_top_logprobs: list[list[tuple[int, float]]] = []
-    input_logprobs: list[float | None] = []  # once, with the first output; first prompt token: None
+    # The prompt's logprobs are the submission's, computed once: they come with the first output
+    # of sample 0 only, before any output of samples 1..n-1 (which the scheduler admits after it).
+    # The first prompt token's is None.
+    input_logprobs: list[float | None] = []
     input_top_logprobs: list[list[tuple[int, float]]] = []
 
 

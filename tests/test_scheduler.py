@@ -51,6 +51,9 @@ class FakeWorker:
             res = ChunkResult()
             if c.sample:
                 res.next_token_id = fake_token(c.token_ids[-1], end - 1)
+            if c.input_logprobs_from >= 0:  # as many as the real worker returns
+                targets = len(c.token_ids) - c.input_logprobs_from - 1 + (not c.sample and c.next_token_id >= 0)
+                res.input_logprobs = [-1.0] * targets
             results.append(res)
         return ForwardResult(results, 0.0)
 
@@ -89,8 +92,9 @@ def run(sched: Scheduler, worker: FakeWorker, max_steps: int = 10_000) -> dict[t
         if batch is not None:
             sched.process_result(worker.step(batch))
         for out in sched.outputs:
-            d = done.setdefault((names[out.rid], out.index), {"tokens": [], "cached": out.cached_tokens})
+            d = done.setdefault((names[out.rid], out.index), {"tokens": [], "cached": out.cached_tokens, "input_logprobs": []})
             d["tokens"] += out.new_token_ids
+            d["input_logprobs"] += out.input_logprobs
             if out.finish is not None:
                 d["finish"] = out.finish
         sched.outputs = []
@@ -243,3 +247,37 @@ def test_prompt_logprob_chunks_cover_every_requested_position(start):
                 covered += list(range(first, last))  # positions whose next token gets scored
         sched.process_result(worker.step(batch))
     assert covered == list(range(max(start, 1) - 1, len(prompt) - 1))
+
+
+@pytest.mark.parametrize("cache", [True, False], ids=["cache", "no_cache"])
+def test_prompt_logprobs_with_n_are_computed_once(cache):
+    """n samples with prompt logprobs each computed the whole prompt and its logprobs (0 cached
+    tokens). Now sample 0 computes them once; the others wait for it, then hit its pages."""
+    sched, worker = make(disable_radix_cache=not cache)
+    prompt = list(range(10, 50))  # 40 tokens
+    sched.add_request(request("plp", prompt, max_new=3, sp={"n": 3}, return_logprob=True, logprob_start_len=0))
+    done = run(sched, worker)
+    scored = {c.rid for b in worker.steps for c in b.chunks if c.input_logprobs_from >= 0}
+    assert scored == {key("plp", 0)}
+    assert len(done["plp", 0]["input_logprobs"]) == 40  # None for the first token, then 39
+    assert done["plp", 1]["input_logprobs"] == done["plp", 2]["input_logprobs"] == []  # the front shares them
+    computed = [sum(len(c.token_ids) for b in worker.steps for c in b.chunks if c.rid == key("plp", i)) for i in range(3)]
+    shared = 36 if cache else 0  # (40 - 1) // 4 * 4
+    assert [done["plp", i]["cached"] for i in range(3)] == [0, shared, shared]
+    assert computed == [40 + 2, 40 - shared + 2, 40 - shared + 2]  # prompt, then 2 decode steps
+    assert all(done["plp", i]["tokens"] == expected_tokens(prompt, 3) for i in range(3))
+
+
+def test_samples_wait_for_sample_0s_prompt_logprobs_across_its_retraction():
+    sched, worker = make(chunk_size=8)
+    prompt = list(range(10, 30))  # 20 tokens: three chunks
+    sched.add_request(request("plp", prompt, max_new=3, sp={"n": 2}, return_logprob=True, logprob_start_len=0))
+    sched.process_result(worker.step(sched.build_batch()))
+    sched._retract(next(r for r in sched.running if r.index == 0))  # as when pages run out
+    done = run(sched, worker)
+    steps = [{c.rid: c for c in b.chunks} for b in worker.steps]
+    first_sampled = next(i for i, b in enumerate(steps) if key("plp", 0) in b and b[key("plp", 0)].sample)
+    assert all(key("plp", 1) not in b for b in steps[: first_sampled + 1])
+    assert len(done["plp", 0]["input_logprobs"]) == 20 and done["plp", 1]["input_logprobs"] == []
+    assert done["plp", 1]["cached"] == 16
+    assert done["plp", 1]["tokens"] == done["plp", 0]["tokens"] == expected_tokens(prompt, 3)

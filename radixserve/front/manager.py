@@ -1,9 +1,9 @@
 """The front's side of the runtime: send tokenized requests, turn token batches into results.
 
 Used by the HTTP server and by `Engine`. It owns the internal request ids (a caller's rid is a
-label mapped to one), per-request output streams, incremental detokenization, stop-string
-trimming, abort on cancel, and failing every in-flight request with a clear error when the
-scheduler or worker dies.
+label mapped to one), per-request output streams (each sample's text, ids and logprobs:
+`sample_output.py`), abort on cancel, and failing every in-flight request with a clear error when
+the scheduler or worker dies.
 """
 
 from __future__ import annotations
@@ -20,14 +20,13 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from radixserve.detokenizer import IncrementalDetokenizer
+from radixserve.front.sample_output import PromptLogprobs, SampleOutput
 from radixserve.ipc import Endpoints
 from radixserve.protocol import (
     AbortRequest,
     FlushCache,
     FlushCacheDone,
     GetStats,
-    RequestOutput,
     RequestRejected,
     SamplingParams,
     SchedulerReady,
@@ -80,24 +79,6 @@ class GenerateRequest:
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
     cache_salt: str | None = None
-
-
-@dataclass
-class _SampleState:
-    """Output of one of a request's n samples, accumulated as token batches arrive."""
-
-    detok: IncrementalDetokenizer
-    output_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish: dict[str, Any] | None = None
-    cached_tokens: int = 0
-    prompt_tokens: int = 0
-    output_logprobs: list[float] = field(default_factory=list)
-    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    input_logprobs: list[float | None] = field(default_factory=list)
-    input_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    first_token_time: float | None = None
-    done: bool = False
 
 
 class TokenizerManager:
@@ -228,7 +209,8 @@ class TokenizerManager:
         if req.rid in self._live:
             raise RidInUse(req.rid)
         start = time.monotonic()
-        states = [self._new_state(req) for _ in range(req.sampling.n)]
+        prompt = PromptLogprobs()  # computed once, shared by the samples
+        states = [SampleOutput(self.tokenizer, req.sampling, req.input_ids, prompt) for _ in range(req.sampling.n)]
         internal = next(self._ids)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[internal] = queue
@@ -247,7 +229,7 @@ class TokenizerManager:
                 if isinstance(item, Exception):
                     raise item
                 state = states[item.index]
-                self._apply(req, state, item)
+                state.apply(item)
                 yield self._result(req, state, item.index, start)
             finished = True
         finally:
@@ -255,51 +237,7 @@ class TokenizerManager:
             if not finished:
                 self._abort(internal)
 
-    def _new_state(self, req: GenerateRequest) -> _SampleState:
-        p = req.sampling
-        # the prompt as context: SentencePiece tokenizers drop a leading space at text start
-        detok = IncrementalDetokenizer(
-            self.tokenizer, skip_special_tokens=p.skip_special_tokens,
-            spaces_between_special_tokens=p.spaces_between_special_tokens,
-            context_ids=req.input_ids,
-        )
-        return _SampleState(detok=detok)
-
-    def _apply(self, req: GenerateRequest, state: _SampleState, out: RequestOutput) -> None:
-        if out.new_token_ids and state.first_token_time is None:
-            state.first_token_time = time.monotonic()
-        state.output_ids.extend(out.new_token_ids)
-        state.text += state.detok.add(out.new_token_ids)
-        state.prompt_tokens, state.cached_tokens = out.prompt_tokens, out.cached_tokens
-        state.output_logprobs.extend(out.output_logprobs)
-        state.output_top_logprobs.extend(out.output_top_logprobs)
-        if out.input_logprobs:
-            state.input_logprobs, state.input_top_logprobs = out.input_logprobs, out.input_top_logprobs
-        if out.finish is not None:
-            state.text += state.detok.finish()
-            matched = out.finish.matched
-            if isinstance(matched, str) and not req.sampling.no_stop_trim:
-                cut = state.text.find(matched)
-                if cut >= 0:
-                    state.text = state.text[:cut]
-            state.finish = {"type": out.finish.type, "matched": matched}
-            if out.finish.message:
-                state.finish["message"] = out.finish.message
-            state.done = True
-
-    def _visible_text(self, req: GenerateRequest, state: _SampleState) -> str:
-        """While streaming, hold back a tail that may be the start of a stop string."""
-        if state.done or not req.sampling.stop or req.sampling.no_stop_trim:
-            return state.text
-        hold = 0
-        for stop in req.sampling.stop:
-            for k in range(min(len(stop) - 1, len(state.text)), hold, -1):
-                if state.text.endswith(stop[:k]):
-                    hold = k
-                    break
-        return state.text[: len(state.text) - hold]
-
-    def _result(self, req: GenerateRequest, state: _SampleState, index: int, start: float) -> dict[str, Any]:
+    def _result(self, req: GenerateRequest, state: SampleOutput, index: int, start: float) -> dict[str, Any]:
         now = time.monotonic()
         meta: dict[str, Any] = {
             "id": req.rid,
@@ -313,21 +251,22 @@ class TokenizerManager:
             meta["ttft"] = (state.first_token_time or now) - start
         if req.return_logprob:
             meta.update(self._logprob_meta(req, state))
-        return {"index": index, "text": self._visible_text(req, state), "output_ids": list(state.output_ids), "meta_info": meta}
+        return {"index": index, "text": state.visible_text, "output_ids": list(state.output_ids), "meta_info": meta}
 
-    def _logprob_meta(self, req: GenerateRequest, state: _SampleState) -> dict[str, Any]:
+    def _logprob_meta(self, req: GenerateRequest, state: SampleOutput) -> dict[str, Any]:
         def text(tid: int) -> str | None:
             return self.tokenizer.decode([tid]) if req.return_text_in_logprobs else None
 
         start = max(req.logprob_start_len, 0)
-        input_ids = req.input_ids[start:] if state.input_logprobs else []
+        prompt = state.prompt  # the request's, shared by its samples
+        input_ids = req.input_ids[start:] if prompt.logprobs else []
         meta: dict[str, Any] = {
-            "input_token_logprobs": [[lp, t, text(t)] for lp, t in zip(state.input_logprobs, input_ids)],
-            "output_token_logprobs": [[lp, t, text(t)] for lp, t in zip(state.output_logprobs, state.output_ids)],
+            "input_token_logprobs": [[lp, t, text(t)] for lp, t in zip(prompt.logprobs, input_ids, strict=True)],
+            "output_token_logprobs": [[lp, t, text(t)] for lp, t in zip(state.output_logprobs, state.output_ids, strict=True)],
         }
         if req.top_logprobs_num > 0:
             meta["input_top_logprobs"] = [
-                [[lp, t, text(t)] for t, lp in top] or None for top in state.input_top_logprobs
+                [[lp, t, text(t)] for t, lp in top] or None for top in prompt.top_logprobs
             ]
             meta["output_top_logprobs"] = [[[lp, t, text(t)] for t, lp in top] for top in state.output_top_logprobs]
         return meta

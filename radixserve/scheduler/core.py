@@ -82,6 +82,9 @@ class Scheduler:
         self._arrivals = 0
         self._make_stop_checker = stop_checker_factory
         self._stop_checkers: dict[str, StopChecker] = {}
+        # submissions whose sample 0 has not yet sent the prompt's logprobs: their other samples
+        # wait, then take the prompt from the cache instead of computing it (and its logprobs) again
+        self._prompt_logprobs_pending: set[int] = set()
         self._in_flight: list[tuple[Request, Chunk]] = []  # this step's chunks
         self._in_flight_keys: set[str] = set()
         self._finished_keys: list[str] = []
@@ -99,6 +102,9 @@ class Scheduler:
                 f"the prompt ({len(msg.input_ids)} tokens) does not fit in the KV pool "
                 f"({self.kv.total_pages * self.page_size} tokens)",
             )
+        prompt_logprobs = msg.return_logprob and 0 <= msg.logprob_start_len < len(msg.input_ids)
+        if prompt_logprobs and n > 1:
+            self._prompt_logprobs_pending.add(msg.rid)
         for i in range(n):
             sampling = msg.sampling
             if n > 1:
@@ -107,7 +113,9 @@ class Scheduler:
             req = Request(
                 rid=msg.rid, index=i, input_ids=msg.input_ids, sampling=sampling,
                 namespace=msg.cache_salt or None, arrival=self._arrivals,
-                return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
+                return_logprob=msg.return_logprob,
+                # the prompt's logprobs are computed once, by sample 0, and shared by the front
+                logprob_start_len=msg.logprob_start_len if i == 0 else -1,
                 top_logprobs_num=msg.top_logprobs_num,
             )
             self._arrivals += 1
@@ -251,7 +259,11 @@ class Scheduler:
             budget -= n
 
     def _should_wait_for_prefill(self, req: Request, cached: int) -> bool:
-        """Defer a request whose prefix a running prefill is about to publish (lpm, or n > 1 samples)."""
+        """Defer a request whose prefix a running prefill is about to publish (lpm, or n > 1
+        samples), and samples 1..n-1 until sample 0 has sent the prompt's logprobs (even without
+        a cache: the front must have them before any other sample's output)."""
+        if req.index > 0 and req.rid in self._prompt_logprobs_pending:
+            return True
         if not self.kv.caching:
             return False
         if req.index > 0:
@@ -345,8 +357,9 @@ class Scheduler:
         self.counters.generation_tokens += 1
         if req.wants_input_logprobs:
             req.input_logprobs_done = True
-        finish = self._stop_reason(req, token)
-        out = self._output(req, [token], finish)
+        new_tokens = [token]  # one output, one stop-checker `add`: the front adds the same group
+        finish = self._stop_reason(req, new_tokens)
+        out = self._output(req, new_tokens, finish)
         if req.return_logprob:
             out.output_logprobs = [res.logprob]
             out.output_top_logprobs = [res.top_logprobs] if req.top_logprobs_num else []
@@ -354,21 +367,27 @@ class Scheduler:
             self._end(req, finish)
         self.outputs.append(out)
 
-    def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
+    def _stop_reason(self, req: Request, new_tokens: list[int]) -> FinishReason | None:
+        """Why the sample ends with `new_tokens` (its last output), if it does.
+
+        Before `min_new_tokens` nothing stops it: a stop string completed then is plain text (the
+        checker still reads it, to keep its text the front's); only a match completed at or after
+        `min_new_tokens` ends the sample, and its position is sent, so the front cuts at that one.
+        """
         p = req.sampling
+        token = new_tokens[-1]
         n_out = len(req.output_ids)
+        checker = self._stop_checkers.get(req.key)
         if n_out >= p.min_new_tokens:
             if token in p.stop_token_ids:
                 return FinishReason("stop", matched=token)
             if not p.ignore_eos and token in self.eos_token_ids:
                 return FinishReason("stop", matched=token)
-            checker = self._stop_checkers.get(req.key)
-            if checker is not None:
-                matched = checker.check(token)
-                if matched is not None:
-                    return FinishReason("stop", matched=matched)
-        elif req.key in self._stop_checkers:
-            self._stop_checkers[req.key].check(token)  # keep its text in sync
+            match = checker.check(new_tokens) if checker is not None else None
+            if match is not None:
+                return FinishReason("stop", matched=match.stop, stop_position=match.position)
+        elif checker is not None:
+            checker.check(new_tokens)
         if n_out >= p.max_new_tokens or req.fill_len >= self.context_len:
             return FinishReason("length")
         return None
@@ -383,6 +402,7 @@ class Scheduler:
             out.input_logprobs = [None] * lead + req.input_logprobs
             out.input_top_logprobs = [[]] * lead + req.input_top_logprobs
             req.input_logprobs_sent = True
+            self._prompt_logprobs_pending.discard(req.rid)
         return out
 
     def _finish(self, req: Request, finish: FinishReason) -> None:
@@ -400,3 +420,5 @@ class Scheduler:
         if req.worker_knows:
             self._finished_keys.append(req.key)
         self._stop_checkers.pop(req.key, None)
+        if req.index == 0:
+            self._prompt_logprobs_pending.discard(req.rid)  # sent, or never will be (abort)

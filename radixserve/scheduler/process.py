@@ -103,6 +103,6 @@ def _stop_checker_factory(model_path: str):
             from radixserve.front.tokenizer import load_tokenizer
 
             tokenizer = load_tokenizer(model_path)
-        return StopChecker(tokenizer, req.sampling.stop, req.sampling.skip_special_tokens, req.input_ids)
+        return StopChecker(tokenizer, req.sampling, req.input_ids)
 
     return make
