@@ -63,6 +63,10 @@ HELP = {
     "served_model_name": "the model id in the OpenAI API (/v1/models, the 'model' field); default: --model",
     "max_body_bytes": "largest request body accepted, in bytes (413 beyond)",
     "health_timeout": "seconds the scheduler and worker have to answer a /health check",
+    "header_timeout": "seconds a client has to send a request's line and headers, from connecting "
+    "or from its first byte; a slower connection is closed",
+    "body_timeout": "seconds a client has to send a request's body once its headers are in; a "
+    "slower one gets 408 and the connection is closed",
     "shutdown_timeout": "on SIGINT/SIGTERM, seconds in-flight requests get to finish",
     "log_level": "logging level of every process",
 }
@@ -151,6 +155,7 @@ class _Signals:
 def serve(config: ServerConfig) -> int:
     import uvicorn
 
+    from radixserve.front.connection import deadline_protocol
     from radixserve.front.http_server import create_app
     from radixserve.front.tokenizer import load_tokenizer
     from radixserve.launch import Backend, StartupError
@@ -168,6 +173,7 @@ def serve(config: ServerConfig) -> int:
         _log_ready(config, ready)
         server = uvicorn.Server(uvicorn.Config(
             app, log_level=config.log_level, lifespan="on",
+            http=deadline_protocol(config.header_timeout, config.body_timeout),
             timeout_graceful_shutdown=max(1, round(config.shutdown_timeout)),
         ))
         signals.uvicorn_running = True

@@ -43,6 +43,8 @@ class ServerConfig:
     served_model_name: str | None = None  # the model id of the OpenAI API; None: `model`
     max_body_bytes: int = 32 * 1024 * 1024  # largest request body accepted (413 above)
     health_timeout: float = 10.0  # /health: seconds the scheduler and worker have to answer
+    header_timeout: float = 10.0  # seconds a client has to send a request's head (else closed)
+    body_timeout: float = 60.0  # seconds a client has to send a request's body (else 408, closed)
     shutdown_timeout: float = 10.0  # on SIGINT/SIGTERM: seconds to let in-flight requests finish
     log_level: str = "info"
 
@@ -67,7 +69,7 @@ class ServerConfig:
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         _at_least("max_body_bytes", self.max_body_bytes, 1)
-        for name in ("health_timeout", "shutdown_timeout", "startup_timeout"):
+        for name in ("health_timeout", "header_timeout", "body_timeout", "shutdown_timeout", "startup_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.api_key is not None and not self.api_key:

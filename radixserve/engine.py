@@ -19,7 +19,7 @@ from typing import Any
 from radixserve.config import ServerConfig
 from radixserve.front.inputs import build_requests
 from radixserve.front.manager import GenerateRequest, RequestFailed, TokenizerManager
-from radixserve.front.tokenizer import load_tokenizer
+from radixserve.front.tokenizer import load_tokenizer, prompt_char_limit
 from radixserve.front.validation import Limits
 from radixserve.launch import Backend
 
@@ -31,7 +31,6 @@ class Engine:
 
     def __init__(self, model: str = "default", **options: Any) -> None:
         self.config = ServerConfig.from_kwargs(model=model, **options)
-        self.limits = Limits(max_sequences=self.config.max_queued_requests)
         self._backend = Backend(self.config)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="radixserve-front", daemon=True)
@@ -39,6 +38,10 @@ class Engine:
         self.ready = self._backend.start()
         try:
             self.tokenizer = load_tokenizer(self.ready.model_path)
+            self.limits = Limits(
+                max_sequences=self.config.max_queued_requests,
+                max_prompt_chars=prompt_char_limit(self.tokenizer, self.ready.context_len),
+            )
             self._thread.start()
             self.manager = TokenizerManager(self._backend.endpoints, self.ready, self.tokenizer)
             self._call(self._start_manager())

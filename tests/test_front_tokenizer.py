@@ -8,7 +8,14 @@ from typing import Any
 
 import pytest
 
-from radixserve.front.tokenizer import apply_chat_template, encode, load_tokenizer
+from radixserve.front.tokenizer import (
+    NORMALIZER_MARGIN,
+    apply_chat_template,
+    encode,
+    load_tokenizer,
+    prompt_char_limit,
+    text_chars,
+)
 
 CHAT = [
     {"role": "system", "content": "You are terse."},
@@ -161,3 +168,37 @@ def test_no_chat_template(loaded: Any) -> None:
             apply_chat_template(loaded, CHAT)
     finally:
         loaded.chat_template = original
+
+
+def test_prompt_char_limit_covers_the_longest_text_a_token_stands_for(loaded: Any) -> None:
+    """No text over the limit fits the context: no token decodes to more characters than the
+    limit allows per token (a 30 MB prompt is then refused without tokenizing it)."""
+    per_token = prompt_char_limit(loaded, 1)
+    longest = max(len(loaded.decode([i])) for i in range(len(loaded)))
+    assert longest <= per_token <= 4 * longest, (longest, per_token)
+    assert prompt_char_limit(loaded, 8192) == 8192 * per_token
+    text = "你好 😀 " * 1000  # several tokens per character: far below the limit
+    assert len(encode(loaded, text)) * per_token >= len(text)
+
+
+def test_prompt_char_limit_allows_for_normalizers_and_tokenizers_without_a_vocabulary() -> None:
+    class Normalizing:
+        backend_tokenizer = type("Backend", (), {"normalizer": object()})()
+
+        def get_vocab(self) -> dict[str, int]:
+            return {"a": 0, "abcd": 1}
+
+    assert prompt_char_limit(Normalizing(), 10) == 10 * 4 * NORMALIZER_MARGIN
+    assert prompt_char_limit(object(), 10) is None
+
+
+def test_text_chars_counts_every_string_value_a_template_can_render() -> None:
+    chat = [
+        {"role": "user", "content": "abc"},
+        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "xy"}}]},
+    ]
+    assert text_chars(chat) == len("user" "abc" "assistant" "f" "xy")
+    deep: Any = "z"
+    for _ in range(100_000):  # nesting as deep as a client likes: no recursion limit
+        deep = [deep]
+    assert text_chars(deep) == 1

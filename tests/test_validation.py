@@ -404,3 +404,19 @@ def test_a_batch_over_the_sequence_cap_is_refused_before_tokenizing() -> None:
     with pytest.raises(InvalidRequest, match="6 sequences .* at most 4"):
         build(text=["a", "b"], sampling_params={"n": 3}, tokenizer=tokenizer, limits=limits)
     assert len(build(text=["a", "b"], sampling_params={"n": 2}, limits=limits)) == 2
+
+
+def test_a_text_over_the_character_bound_is_refused_before_any_is_tokenized() -> None:
+    tokenizer, limits = _CharTokenizer(), Limits(max_prompt_chars=10)
+    expected = r"`text\[1\]` is too long: 11 characters, and a prompt over 10 characters cannot fit the model's context of 256 tokens"
+    with pytest.raises(InvalidRequest, match=expected) as info:
+        build(text=["a", "b" * 11], tokenizer=tokenizer, limits=limits)
+    assert info.value.param == "text" and tokenizer.calls == 0
+    assert len(build(text="b" * 10, limits=limits)) == 1
+
+
+def test_a_batch_stops_tokenizing_at_the_first_prompt_over_the_context() -> None:
+    tokenizer = _CharTokenizer()  # one token per character; the context is 256 tokens
+    with pytest.raises(InvalidRequest, match="the prompt has 300 tokens but the model's context length is 256"):
+        build(text=["a", "b" * 300, "c" * 300], tokenizer=tokenizer)
+    assert tokenizer.calls == 2

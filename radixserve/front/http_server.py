@@ -127,6 +127,7 @@ async def _lifespan(app: Starlette) -> AsyncIterator[None]:
     try:
         yield
     finally:
+        state.close()
         await manager.shutdown()
 
 
@@ -310,7 +311,7 @@ async def generate(request: Request) -> Response:
     body = await read_json(request, state.config.max_body_bytes)
     stream = _check_generate_fields(body)
     fields = {k: body[k] for k in _GENERATE_FIELDS - {"stream"} if body.get(k) is not None}
-    requests, is_batch = build_requests(state.tokenizer, state.ready, state.limits, **fields)
+    requests, is_batch = await state.prepare(build_requests, state.tokenizer, state.ready, state.limits, **fields)
     many = is_batch or sum(r.sampling.n for r in requests) > 1
     if stream:
         return await _stream_generate(request, state, requests, many)

@@ -14,6 +14,7 @@ from radixserve.front.validation import (
     InvalidRequest,
     Limits,
     check_lengths,
+    check_prompt_chars,
     parse_sampling_params,
     validate_input_ids,
 )
@@ -37,10 +38,11 @@ def build_requests(
 ) -> tuple[list[GenerateRequest], bool]:
     """Returns the requests and whether the input was a batch (a list) rather than one prompt.
 
-    Sizes are checked before the work they would cost: the number of prompts before any is
-    tokenized, a token-id list's length before its ids are.
+    Sizes are checked before the work they would cost: the number of prompts and every text's
+    length in characters before any is tokenized, each tokenized prompt against the context before
+    the next is tokenized, a token-id list's length before its ids are.
     """
-    prompts, is_batch = _prompts(tokenizer, text, input_ids, limits)
+    prompts, is_batch = _prompts(tokenizer, text, input_ids, limits, ready.context_len)
     n = len(prompts)
     rids = _rids(rid, n, limits)
     requests = []
@@ -68,7 +70,7 @@ def build_requests(
     return requests, is_batch
 
 
-def _prompts(tokenizer: Any, text: Any, input_ids: Any, limits: Limits) -> tuple[list[Any], bool]:
+def _prompts(tokenizer: Any, text: Any, input_ids: Any, limits: Limits, context_len: int) -> tuple[list[Any], bool]:
     """The prompts as token-id lists (ids unchecked yet), and whether they came as a batch."""
     if (text is None) == (input_ids is None):
         raise InvalidRequest("give exactly one of `text` and `input_ids`")
@@ -82,12 +84,16 @@ def _prompts(tokenizer: Any, text: Any, input_ids: Any, limits: Limits) -> tuple
     if not texts or not all(isinstance(t, str) for t in texts):
         raise InvalidRequest("`text` must be a string or a non-empty list of strings", param="text")
     _check_sequences(len(texts), limits, at_least=True)
+    names = [f"`text[{i}]`" if is_batch else "`text`" for i in range(len(texts))]
+    for t, name in zip(texts, names):
+        check_prompt_chars(len(t), limits, context_len, name, "text")
     prompts = []
-    for i, t in enumerate(texts):
+    for t, name in zip(texts, names):
         ids = encode(tokenizer, t) if t else []
         if not ids:
-            name = f"text[{i}]" if is_batch else "text"
-            raise InvalidRequest(f"`{name}` is empty; a prompt needs at least one token", param="text")
+            raise InvalidRequest(f"{name} is empty; a prompt needs at least one token", param="text")
+        # stop at the first prompt that cannot fit: the rest of the batch is not tokenized
+        check_lengths(len(ids), 0, context_len)
         prompts.append(ids)
     return prompts, is_batch
 

@@ -38,8 +38,8 @@ from radixserve.front.http_common import (
 from radixserve.front.inputs import build_requests
 from radixserve.front.manager import GenerateRequest
 from radixserve.front.serving import ServerState
-from radixserve.front.tokenizer import apply_chat_template
-from radixserve.front.validation import InvalidRequest
+from radixserve.front.tokenizer import apply_chat_template, normalize_messages, text_chars
+from radixserve.front.validation import InvalidRequest, check_prompt_chars
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
 
@@ -95,14 +95,18 @@ class _Call:
 async def completions(request: Request) -> Response:
     state: ServerState = request.app.state.server
     body = await read_json(request, state.config.max_body_bytes)
-    return await _serve(request, state, _parse_completion(state, body))
+    call = await state.prepare(_parse_completion, state, body)
+    del body  # unknown fields are ignored, not kept alive (and walked by the GC) while it runs
+    return await _serve(request, state, call)
 
 
 @handles_errors
 async def chat_completions(request: Request) -> Response:
     state: ServerState = request.app.state.server
     body = await read_json(request, state.config.max_body_bytes)
-    return await _serve(request, state, _parse_chat(state, body))
+    call = await state.prepare(_parse_chat, state, body)
+    del body  # unknown fields are ignored, not kept alive (and walked by the GC) while it runs
+    return await _serve(request, state, call)
 
 
 async def _serve(request: Request, state: ServerState, call: _Call) -> Response:
@@ -119,6 +123,7 @@ async def _serve(request: Request, state: ServerState, call: _Call) -> Response:
 
 
 def _parse_completion(state: ServerState, body: dict[str, Any]) -> _Call:
+    """Runs in a prepare thread (it tokenizes): reads the state, changes nothing."""
     state.check_model(body.get("model"))
     _reject_unsupported(body)
     if body.get("suffix"):
@@ -142,6 +147,8 @@ def _parse_completion(state: ServerState, body: dict[str, Any]) -> _Call:
 
 
 def _parse_chat(state: ServerState, body: dict[str, Any]) -> _Call:
+    """Runs in a prepare thread (it renders the template and tokenizes): reads the state,
+    changes nothing. The conversation's length is checked before the template is rendered."""
     state.check_model(body.get("model"))
     _reject_unsupported(body)
     for key in ("tools", "functions"):
@@ -149,7 +156,11 @@ def _parse_chat(state: ServerState, body: dict[str, Any]) -> _Call:
             raise InvalidRequest(f"`{key}` (tool calling) is not supported yet", param=key)
     add_generation_prompt = _opt_bool(body, "add_generation_prompt", default=True)
     try:
-        ids = apply_chat_template(state.tokenizer, body.get("messages"), add_generation_prompt)
+        chat = normalize_messages(body.get("messages"))
+        check_prompt_chars(text_chars(chat), state.limits, state.ready.context_len, "`messages`", "messages")
+        ids = apply_chat_template(state.tokenizer, chat, add_generation_prompt)
+    except InvalidRequest:
+        raise
     except ValueError as exc:
         raise InvalidRequest(str(exc), param="messages") from None
     logprobs = _opt_bool(body, "logprobs")

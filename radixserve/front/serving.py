@@ -1,23 +1,33 @@
-"""What the HTTP routes share: the server's state, and running a batch of requests through the
-`TokenizerManager` as one stream of results (with latency metrics recorded as they finish)."""
+"""What the HTTP routes share: the server's state, preparing requests off the event loop, and
+running a batch of requests through the `TokenizerManager` as one stream of results (with latency
+metrics recorded as they finish)."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from radixserve.config import ServerConfig
 from radixserve.front.http_common import HTTPError, merge
 from radixserve.front.manager import EngineDead, GenerateRequest, TokenizerManager
 from radixserve.front.metrics import ServerMetrics
+from radixserve.front.tokenizer import prompt_char_limit
 from radixserve.front.validation import Limits
 from radixserve.launch import Backend
 from radixserve.protocol import SchedulerReady
+
+T = TypeVar("T")
+# Threads that tokenize and render chat templates. The tokenizer releases the GIL, so the event
+# loop keeps serving while they work; two keep one long prompt from holding up every other
+# request, and bound the memory that prompts being tokenized take together.
+PREPARE_THREADS = 2
 
 
 @dataclass
@@ -29,13 +39,29 @@ class ServerState:
     ready: SchedulerReady
     tokenizer: Any
     limits: Limits = field(init=False)  # per-request caps; prompts x n capped at the queue's size
+    prepare_pool: ThreadPoolExecutor = field(init=False, repr=False)
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     created: int = field(default_factory=lambda: int(time.time()))
     manager: TokenizerManager | None = None
     health_probe: asyncio.Future[str | None] | None = None  # the one-token probe /health runs when idle
 
     def __post_init__(self) -> None:
-        self.limits = Limits(max_sequences=self.config.max_queued_requests)
+        self.limits = Limits(
+            max_sequences=self.config.max_queued_requests,
+            max_prompt_chars=prompt_char_limit(self.tokenizer, self.ready.context_len),
+        )
+        self.prepare_pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="radixserve-prepare")
+
+    async def prepare(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`fn(*args, **kwargs)` in the prepare threads: parsing a request means tokenizing it
+        (or rendering a chat template), which takes time in proportion to the prompt; on the
+        event loop, one big prompt would hold up every route, /health included."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.prepare_pool, functools.partial(fn, *args, **kwargs))
+
+    def close(self) -> None:
+        """Stop the prepare threads (a prompt being tokenized finishes; nobody waits for it)."""
+        self.prepare_pool.shutdown(wait=False, cancel_futures=True)
 
     @property
     def model_name(self) -> str:

@@ -7,6 +7,10 @@ Two ways in, and they differ on purpose:
   comparable with transformers'.
 - `apply_chat_template` (chat) adds none: the template writes every control token itself, so
   encoding its text with special tokens would put a second BOS in front.
+
+Tokenizing costs time and memory in proportion to the text (a 30 MB prompt: most of a minute and
+gigabytes), so `prompt_char_limit` bounds what is worth tokenizing: past it, no text can fit the
+context, and the server refuses it without tokenizing.
 """
 
 from __future__ import annotations
@@ -34,6 +38,47 @@ def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
         return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot load a tokenizer from {str(path)!r}: {e}") from e
+
+
+# A normalizer may compose characters before the model sees them (NFC turns a letter and up to
+# three combining marks, or three Hangul jamo, into one character), so with one the bound allows
+# this many characters per vocabulary character.
+NORMALIZER_MARGIN = 4
+
+
+def prompt_char_limit(tokenizer: Any, context_len: int) -> int | None:
+    """The most characters a prompt text can have and still tokenize to `context_len` tokens or
+    fewer; None for a tokenizer that has no vocabulary to tell.
+
+    No token covers more characters of text than its vocabulary entry has: byte-level BPE writes
+    each UTF-8 byte as one character (and a character is at least one byte), SentencePiece writes
+    a space as "▁" and a fallback byte as "<0xNN>", WordPiece adds "##". So a text longer than
+    `context_len` x the longest entry needs more tokens than the context holds.
+    """
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    if get_vocab is None:
+        return None
+    longest = max((len(entry) for entry in get_vocab()), default=0)
+    if longest == 0:
+        return None
+    normalizer = getattr(getattr(tokenizer, "backend_tokenizer", None), "normalizer", None)
+    return context_len * longest * (NORMALIZER_MARGIN if normalizer is not None else 1)
+
+
+def text_chars(value: Any) -> int:
+    """Characters of every string value inside a (normalized) message or a list of them: contents,
+    names, tool-call arguments; what a chat template can put into the prompt besides its own
+    text. Keys do not count (a template writes `content`'s value, not the word)."""
+    total, stack = 0, [value]
+    while stack:  # not recursive: nesting depth is the client's to choose
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, Mapping):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return total
 
 
 def encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:

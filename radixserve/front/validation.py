@@ -80,6 +80,9 @@ class Limits:
     max_rid_chars: int = 256  # a rid is echoed in every streamed event
     max_cache_salt_chars: int = 256
     max_prompt_tokens: int | None = None  # None: only the model's context length limits it
+    # characters of one prompt text, checked before it is tokenized; the server derives it from
+    # the context length and the tokenizer (`tokenizer.prompt_char_limit`). None: no bound
+    max_prompt_chars: int | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -178,6 +181,18 @@ def validate_input_ids(ids: Any, vocab_size: int) -> list[int]:
     if not isinstance(ids, list) or not ids:
         raise InvalidRequest("input_ids must be a non-empty list of token ids", "input_ids")
     return _token_ids(ids, vocab_size, "input_ids")
+
+
+def check_prompt_chars(chars: int, limits: Limits, context_len: int, what: str, param: str) -> None:
+    """Refuse, before tokenizing it, a prompt text too long to fit the context whatever it holds
+    (see `Limits.max_prompt_chars`): tokenizing megabytes would cost seconds and gigabytes."""
+    limit = limits.max_prompt_chars
+    if limit is not None and chars > limit:
+        raise InvalidRequest(
+            f"{what} is too long: {chars} characters, and a prompt over {limit} characters cannot "
+            f"fit the model's context of {context_len} tokens",
+            param,
+        )
 
 
 def check_lengths(
