@@ -125,6 +125,8 @@ CASES = {
     "chat tools": (*_chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "not supported"),
     "chat response_format json": (*_chat(response_format={"type": "json_schema", "json_schema": {}}), 400, "not supported"),
     "chat max_completion_tokens string": (*_chat(max_completion_tokens="many"), 400, "max_completion_tokens"),
+    # the prose says "prompt" (the rendered conversation), the param names the client's field
+    "chat longer than the context": (*_chat(messages=[{"role": "user", "content": "hi " * 3000}]), 400, "the prompt has"),
     "chat huge max_tokens": (*_chat(max_tokens=10**9), 400, "max_tokens"),
     # routes and methods
     "unknown route": ("POST", "/v2/generate", {}, 404, "no route"),

@@ -250,7 +250,10 @@ def _renamed(exc: InvalidRequest, renames: dict[str, str]) -> InvalidRequest:
     """Speak the client's language: `max_tokens`, not our internal `max_new_tokens`."""
     message, param = exc.message, exc.param
     for ours, theirs in [*renames.items(), ("min_new_tokens", "min_tokens")]:
-        message = re.sub(rf"\b{re.escape(ours)}\b", theirs, message)  # `text`, never "context"
+        # a field's name: in backticks, or an identifier with an underscore; never a word of
+        # prose ("the prompt has N tokens" stays so on chat, where `prompt` is `messages`)
+        pattern = rf"\b{re.escape(ours)}\b" if "_" in ours else rf"(?<=`){re.escape(ours)}(?=[`\[])"
+        message = re.sub(pattern, theirs, message)
         param = theirs if param == ours else param
     return InvalidRequest(message, param=param)
 
