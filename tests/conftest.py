@@ -7,7 +7,7 @@ pure-Python cache and scheduler tests) do not pay for them.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -111,6 +111,17 @@ def default_model_dir() -> Path:
     from radixserve.models import resolve_model
 
     return resolve_model("default")
+
+
+@pytest.fixture(scope="session")
+def smol() -> Any:
+    """The default model's tokenizer (SmolLM2), as transformers reads it from the shipped GGUF."""
+    from transformers import AutoTokenizer
+
+    from radixserve.models import default_gguf
+
+    gguf = default_gguf()
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
 
 
 @pytest.fixture(scope="session")

