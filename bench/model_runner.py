@@ -19,6 +19,7 @@ import json
 import os
 import platform
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -109,7 +110,7 @@ class HF:
         return clock.times[-1] - clock.times[0]
 
 
-def measure(dtype_name: str, steps: int, repeats: int) -> list[dict[str, object]]:
+def measure(dtype_name: str, steps: int, repeats: int) -> Iterator[dict[str, object]]:
     """Each number is the best of `repeats` runs, the two systems alternating, so a busy
     moment on a shared machine penalises neither side more than the other."""
     dtype = getattr(torch, dtype_name)
@@ -118,14 +119,12 @@ def measure(dtype_name: str, steps: int, repeats: int) -> list[dict[str, object]
     prompt = _prompts(1, PREFILL_LEN, ours.vocab)[0]
     for system in (ours, hf):  # warm-up
         system.prefill(prompt[:64])
-    rows = []
     t_ours, t_hf = _best(repeats, lambda: ours.prefill(prompt), lambda: hf.prefill(prompt))
-    rows.append(_row(dtype_name, f"prefill {PREFILL_LEN} tokens", PREFILL_LEN / t_ours, PREFILL_LEN / t_hf))
+    yield _row(dtype_name, f"prefill {PREFILL_LEN} tokens", PREFILL_LEN / t_ours, PREFILL_LEN / t_hf)
     for batch in (1, 32):
         prompts = _prompts(batch, CONTEXT, ours.vocab)
         t_ours, t_hf = _best(repeats, lambda p=prompts: ours.decode(p, steps), lambda p=prompts: hf.decode(p, steps))
-        rows.append(_row(dtype_name, f"decode batch {batch}, context {CONTEXT}", batch * steps / t_ours, batch * steps / t_hf))
-    return rows
+        yield _row(dtype_name, f"decode batch {batch}, context {CONTEXT}", batch * steps / t_ours, batch * steps / t_hf)
 
 
 def _best(repeats: int, a, b) -> tuple[float, float]:
@@ -166,12 +165,15 @@ def main() -> None:
         os.environ[isa.OVERRIDE_ENV] = args.isa
     isa.selected_tier()  # before torch's first matmul: it caps torch's kernels for a lower tier
     dtypes = [dtype_name(resolve_dtype(d, torch.device("cpu"))) for d in args.dtypes]
-    rows = [r for d in dict.fromkeys(dtypes) for r in measure(d, args.decode_steps, args.repeats)]
     print(machine())
     print("| dtype | workload | radixserve tok/s | transformers tok/s | ratio |")
-    print("|---|---|---:|---:|---:|")
-    for r in rows:
-        print(f"| {r['dtype']} | {r['workload']} | {r['radixserve_tok_s']:.1f} | {r['transformers_tok_s']:.1f} | {r['ratio']:.2f}x |")
+    print("|---|---|---:|---:|---:|", flush=True)
+    rows = []
+    for d in dict.fromkeys(dtypes):
+        for r in measure(d, args.decode_steps, args.repeats):
+            print(f"| {r['dtype']} | {r['workload']} | {r['radixserve_tok_s']:.1f} | {r['transformers_tok_s']:.1f} | {r['ratio']:.2f}x |",
+                  flush=True)
+            rows.append(r)
     if args.json:
         with open(args.json, "w") as f:
             measured = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())

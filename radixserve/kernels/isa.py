@@ -96,14 +96,14 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def is_x86() -> bool:
+def _is_x86() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64")
 
 
 @functools.cache
 def machine_tier() -> Tier:
     """The highest tier this CPU supports."""
-    if not is_x86():
+    if not _is_x86():
         return Tier.PORTABLE
     flags, tier = cpu_flags(), Tier.PORTABLE
     for candidate in list(Tier)[1:]:
@@ -131,11 +131,6 @@ def selected_tier() -> Tier:
     return tier
 
 
-def supported_tiers() -> list[Tier]:
-    """Every tier this machine can run, lowest first."""
-    return [t for t in Tier if t <= machine_tier()]
-
-
 def at_least(tier: Tier) -> bool:
     """Whether the tier in use includes `tier`."""
     return selected_tier() >= tier
@@ -143,7 +138,7 @@ def at_least(tier: Tier) -> bool:
 
 def compile_flags(tier: Tier) -> list[str]:
     """The ISA flags the kernels are built with for `tier` on this architecture."""
-    if not is_x86():
+    if not _is_x86():
         return []
     return [flag for t in Tier if Tier.PORTABLE < t <= tier for flag in _COMPILE_FLAGS[t]]
 
