@@ -20,7 +20,7 @@ class ServerConfig:
     """Every runtime option. Validated on construction; derived values are properties."""
 
     model: str = "default"
-    dtype: str = "auto"  # auto: bf16 where the hardware runs it fast (CUDA, AMX/AVX512-BF16 CPUs)
+    dtype: str = "auto"  # auto: bf16 where it is faster (CUDA; CPUs from the avx2 ISA tier up)
     device: str = "auto"
     attention_backend: str = "auto"  # auto: flashinfer on CUDA when installed, else torch_native
     disable_cuda_graph: bool = False  # CUDA only: run decode steps eagerly instead of replaying graphs

@@ -18,18 +18,21 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def cpu_has_fast_bf16() -> bool:
-    """Whether bf16 beats fp32 on the CPU ISA tier in use (docs/benchmarks.md): from
-    avx512_bf16 up, where the CPU multiplies bf16 pairs (AMX tiles or the AVX-512 BF16 dot
-    product)."""
-    return isa.at_least(isa.Tier.AVX512_BF16)
+def cpu_prefers_bf16() -> bool:
+    """Whether bf16 beats fp32 on the CPU ISA tier in use (docs/benchmarks.md): from avx2 up.
+    With bf16 pair arithmetic (avx512_bf16, amx) it is faster throughout; on avx2 and avx512,
+    where the kernels widen bf16 to fp32 in registers, a decode step (bound by reading weights
+    and KV) is much faster and a prefill a little slower, and the KV pool holds twice the
+    tokens. The portable build has no bf16 linear kernel, so it stays fp32."""
+    return isa.at_least(isa.Tier.AVX2)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """`auto`: bf16 on CUDA and on CPUs with native bf16, fp32 elsewhere (fp32 is always exact)."""
+    """`auto`: bf16 on CUDA and on CPU ISA tiers where it is faster, fp32 elsewhere (fp32 is
+    always exact)."""
     if name != "auto":
         return _DTYPES[name]
-    if device.type == "cuda" or cpu_has_fast_bf16():
+    if device.type == "cuda" or cpu_prefers_bf16():
         return torch.bfloat16
     return torch.float32
 
