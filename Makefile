@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PORT ?= 30000
 
-.PHONY: setup test serve bench lint
+.PHONY: setup test serve bench fuzz lint
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,12 @@ serve: setup
 # prefix cache on and off plus the transformers baselines; results and report in bench/results/.
 bench: setup
 	$(BIN)/python -m bench.suite --out-dir bench/results
+
+# The HTTP fuzzer's long run (bench/fuzz/): 10,000 valid and hostile requests over every route
+# of a server it starts on a tiny random model with the default tokenizer (minutes; --model default
+# serves the real model, about 40 minutes on 2 cores); figures in bench/results/fuzz.json.
+fuzz: setup
+	$(BIN)/python -m bench.fuzz --requests 10000 --model tiny
 
 lint: setup
 	$(BIN)/ruff check radixserve frontend_lang tests bench examples

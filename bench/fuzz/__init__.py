@@ -1,0 +1,50 @@
+"""An HTTP fuzzer over every route of a running server, with an oracle checked as it goes.
+
+    python -m bench.fuzz --requests 10000                   # starts `serve --model default --dtype float32`
+    python -m bench.fuzz --requests 10000 --model tiny      # a 2-layer random model, same tokenizer: fast
+    python -m bench.fuzz --url http://127.0.0.1:30000 --requests 500
+
+Requests are drawn by hypothesis strategies (written here, no schemathesis) from what the server
+reports about itself (vocabulary, context, body limit, model name), as a plan fixed by `--seed`,
+then sent by `--concurrency` clients at once. They mix valid bodies of every route with hostile
+ones: ids, keys and numbers of the same shapes (unicode digits, "--5", 5,000-digit numbers, 1e-45,
+1e308, NaN-ish strings), out-of-range counts, rids shared within a batch and across clients
+(`x#1` next to `x` with n=2), odd logit_bias keys, long stop lists, wrong JSON types, unknown
+fields with falsy values, repeated keys, streaming on and off, and, in small numbers, clients that
+disconnect (mid-stream or before the answer), bodies at and over `--max-body-bytes`, bodies sent
+in slow pieces or chunked.
+
+The oracle, per request (`judge`, `check_rules`): a 2xx or 3xx, or a 4xx whose body is a JSON
+error with a message (never a 5xx but the documented 503 `overloaded`; never a connection closed
+without an answer but for a body over the limit), an answer within `--timeout` seconds, a stream
+that ends with `[DONE]` and no error event; a body that breaks a documented rule refused
+(`must_refuse`), one result per sequence asked for, each labelled with the rid the client gave, an
+OpenAI error naming a field the client sent, and no sequence aborted unless an `/abort_request`
+for it (or `abort_all`) ran meanwhile. Every few seconds: `/health` is 200 and the engine's pids
+are unchanged. After the run, once idle: no request running or waiting, and KV pages
+free + cached == total with none in use. docs/server.md ("Fuzzing") says the same for users.
+
+The package, in the order a run uses it: `request` (the target, one request), `encoding` (JSON
+beyond json.dumps), `values` and `bodies` (hypothesis strategies), `plan` (drawing a plan),
+`client` (sending), `oracle` (judging), `run` (a run and its report), `__main__` (the command).
+
+Valid requests ask for at most `--max-new-tokens` tokens (64 for clients that leave), so a run
+measures robustness, not decoding speed. The figures (requests by route and tag, status classes,
+problems, hangs, engine restarts, pages after) are printed and written as JSON (`--out`).
+tests/test_fuzz_http.py runs a bounded plan against a tiny model in CI.
+"""
+
+from __future__ import annotations
+
+from bench.fuzz.client import Answer, send
+from bench.fuzz.encoding import Pad, Pairs, Raw, encode
+from bench.fuzz.oracle import Outcome, check_rules, judge, must_refuse, unexplained_aborts
+from bench.fuzz.plan import KINDS, MODES, draw_plan, fuzz_requests
+from bench.fuzz.request import GENERATING, FuzzRequest, Target
+from bench.fuzz.run import Report, print_report, run_plan
+
+__all__ = [
+    "GENERATING", "KINDS", "MODES", "Answer", "FuzzRequest", "Outcome", "Pad", "Pairs", "Raw", "Report", "Target",
+    "check_rules", "draw_plan", "encode", "fuzz_requests", "judge", "must_refuse", "print_report", "run_plan",
+    "send", "unexplained_aborts",
+]

@@ -1,0 +1,96 @@
+"""`python -m bench.fuzz`: start a server (or use --url), draw a plan, run it, print and write the
+figures; exit code 1 if anything was found."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from bench.fuzz import __doc__ as overview
+from bench.fuzz.plan import draw_plan
+from bench.fuzz.request import Target
+from bench.fuzz.run import Report, print_report, run_plan
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.fuzz", description=overview,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", help="a running server (default: start one)")
+    p.add_argument("--requests", type=int, default=10_000)
+    p.add_argument("--seed", type=int, default=0, help="the plan's seed: the same seed, the same requests")
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds before a request counts as a hang")
+    p.add_argument("--max-new-tokens", type=int, default=4, help="the most tokens a valid request asks for")
+    p.add_argument("--model", default="default",
+                   help="without --url: the model to serve; `tiny`: a 2-layer random model on the default tokenizer")
+    p.add_argument("--dtype", default="float32", help="without --url")
+    p.add_argument("--server-arg", action="append", default=[], help="more `serve` options without --url")
+    p.add_argument("--out", type=Path, default=Path("bench/results/fuzz.json"))
+    args = p.parse_args(argv)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(report: Report, partial: bool) -> None:
+        figures = {"url": args.url, "model": args.model, "seed": args.seed, "partial": partial, **report.to_json()}
+        args.out.write_text(json.dumps(figures, indent=1))
+
+    with contextlib.ExitStack() as stack:
+        url = args.url
+        if url is None:
+            from bench.serving import launch_server
+
+            work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="fuzz-")))
+            model = str(tiny_model(work / "tiny")) if args.model == "tiny" else args.model
+            log_path = args.out.with_suffix(".server.log")
+            print(f"fuzz: starting `radixserve serve --model {args.model}` (log: {log_path})", file=sys.stderr)
+            server = launch_server(model, "--dtype", args.dtype, *args.server_arg, log_path=log_path)
+            url = stack.enter_context(server)
+        target = Target.from_server(url, max_new_tokens=args.max_new_tokens)
+        started = time.monotonic()
+        plan = draw_plan(target, args.requests, args.seed)
+        print(f"fuzz: {len(plan)} requests drawn in {time.monotonic() - started:.0f} s; sending", file=sys.stderr)
+
+        def progress(done: int, report: Report) -> None:
+            print(f"fuzz: {done}/{len(plan)} sent, problems {dict(report.problems)}", file=sys.stderr, flush=True)
+            write(report, partial=True)  # what a killed run found is not lost
+
+        run = run_plan(url, plan, concurrency=args.concurrency, timeout=args.timeout, progress=progress)
+        report = asyncio.run(run)
+    write(report, partial=False)
+    print_report(report)
+    print(f"fuzz: figures written to {args.out}", file=sys.stderr)
+    return 0 if report.ok else 1
+
+
+def tiny_model(path: Path) -> Path:
+    """A 2-layer random Llama on the default model's tokenizer (and chat template): the whole
+    HTTP path at a fraction of the default model's cost."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from radixserve.models.resolve import resolve_model
+
+    default = resolve_model("default")
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    names = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+             "chat_template.jinja")
+    for name in names:
+        if (default / name).exists():
+            shutil.copy(default / name, path / name)
+    return path
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

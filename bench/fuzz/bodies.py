@@ -1,0 +1,262 @@
+"""Hypothesis strategies for request bodies: valid ones for each generating route, hostile edits
+of them, and the cap that keeps every request cheap."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from hypothesis import strategies as st
+
+from bench.fuzz.encoding import Pairs
+from bench.fuzz.request import Target
+from bench.fuzz.values import (
+    FALSY,
+    MAX_KEYS,
+    PROMPTS,
+    RID_FAMILY,
+    SAMPLING_KEYS,
+    SGLANG_UNSUPPORTED,
+    UNKNOWN_KEYS,
+    bad_max_tokens,
+    hostile,
+    number_texts,
+    numbers,
+    one_in,
+    rids,
+    scalars,
+    weighted,
+)
+
+
+def _valid_ids(draw: Any, target: Target, tags: list[str], max_size: int = 8) -> list[int]:
+    """A few token ids in the vocabulary (its edges too), now and then a prompt as long as the context."""
+    if one_in(draw, 50):  # at the edge of the context: fits with any valid max tokens, or not
+        tags.append("long-prompt")
+        size = draw(st.sampled_from((target.context_len - target.leaver_tokens, target.context_len, target.context_len + 1)))
+        return [draw(st.sampled_from((1, target.vocab_size - 1)))] * size  # a few prompts: cached after the first
+    edges = st.sampled_from((0, 1, 2, target.vocab_size - 1))
+    return draw(st.lists(st.one_of(st.integers(0, target.vocab_size - 1), edges), min_size=1, max_size=max_size))
+
+
+def _token_id(draw: Any, target: Target) -> Any:
+    """A token id, mostly valid; else of the shapes ids must not have."""
+    if not one_in(draw, 4):
+        return draw(st.integers(0, target.vocab_size - 1))
+    return draw(st.one_of(st.sampled_from((target.vocab_size, -1, 2**63, 2**64)), numbers()))
+
+
+def _logit_bias(draw: Any, target: Target, tags: list[str]) -> dict[str, Any]:
+    """Valid entries, with one odd key (a unicode digit, "--5", 5,000 digits...) or one odd
+    bias among them, at any place."""
+    valid = draw(st.lists(st.integers(0, target.vocab_size - 1).map(str), max_size=2, unique=True))
+    entries = [(k, draw(st.sampled_from((-100, 100, 0, 5.5, -0.0)))) for k in valid]
+    kind = weighted(draw, {"valid": 40, "odd-key": 40, "odd-bias": 20})
+    if kind == "odd-key":
+        tags.append("logit_bias-odd-key")
+        entries.insert(draw(st.integers(0, len(entries))), (draw(number_texts()), 1))
+    elif kind == "odd-bias":
+        entries.insert(draw(st.integers(0, len(entries))), ("5", draw(numbers())))
+    return dict(entries) or {"0": 1.0}
+
+
+def _sampling(draw: Any, target: Target, tags: list[str], cap: int, max_key: str = "max_new_tokens") -> dict[str, Any]:
+    """Valid sampling parameters (SGLang names; the caller renames), with a few risky extras."""
+    sp: dict[str, Any] = {max_key: draw(st.integers(0, cap))}
+    if draw(st.booleans()):
+        sp["temperature"] = draw(st.sampled_from((0.0, 0.0, 0.7, 1.0, 1e-5, 100.0)))
+    if one_in(draw, 4):
+        sp["top_p"] = draw(st.sampled_from((1.0, 0.5, 1e-9)))
+    if one_in(draw, 4):
+        sp["top_k"] = draw(st.sampled_from((-1, 0, 1, 5, target.vocab_size, target.vocab_size + 1)))
+    if one_in(draw, 6):
+        sp["min_p"] = draw(st.sampled_from((0.0, 0.1, 1.0)))
+    if one_in(draw, 6):
+        sp["repetition_penalty"] = draw(st.sampled_from((0.01, 1.0, 10.0)))
+    if one_in(draw, 6):
+        sp["frequency_penalty"] = draw(st.sampled_from((-2.0, 0.0, 2.0)))
+    if one_in(draw, 4):
+        sp["n"] = draw(st.sampled_from((1, 2, 2, 3, 16)))
+    if one_in(draw, 5):
+        sp["seed"] = draw(st.sampled_from((0, 1, 2**63 - 1)))
+    if one_in(draw, 3):
+        sp["ignore_eos"] = True
+    if one_in(draw, 5):
+        sp["min_new_tokens"] = draw(st.integers(0, sp[max_key]))
+    if one_in(draw, 4):
+        tags.append("stop")
+        size = draw(st.sampled_from((1, 2, 16, 17, 100)))
+        length = draw(st.sampled_from((1, 3, 256, 257)))
+        unit = draw(st.sampled_from(("a", " ", "\n", ",", "\u00b2", "x#1")))
+        sp["stop"] = [unit * length + str(i) * (length < 256) for i in range(size)]
+    if one_in(draw, 4):
+        tags.append("stop_token_ids")
+        size = draw(st.sampled_from((1, 2, 3, 1024, 1025, 5000)))
+        ids = [_token_id(draw, target) for _ in range(min(size, 3))]
+        sp["stop_token_ids"] = (ids * (size // len(ids) + 1))[:size]
+    if one_in(draw, 3):
+        tags.append("logit_bias")
+        sp["logit_bias"] = _logit_bias(draw, target, tags)
+    return sp
+
+
+def generate_body(draw: Any, target: Target, tags: list[str], cap: int) -> dict[str, Any]:
+    # `x` with n=2 (alone, or next to `x#1` in a batch): `x#1` was once the id of its second sample
+    race = weighted(draw, {"no": 85, "alone": 8, "batch": 7})
+    batch = race == "batch" or one_in(draw, 4)
+    count = 2 if race == "batch" else draw(st.integers(1, 4)) if batch else 1
+    if draw(st.booleans()):
+        prompts: list[Any] = [draw(st.sampled_from(PROMPTS)) for _ in range(count)]
+        body: dict[str, Any] = {"text": prompts if batch else prompts[0]}
+    else:
+        prompts = [_valid_ids(draw, target, tags) for _ in range(count)]
+        body = {"input_ids": prompts if batch else prompts[0]}
+    if batch and draw(st.booleans()):
+        body["sampling_params"] = [_sampling(draw, target, tags, cap) for _ in range(count)]
+    else:
+        body["sampling_params"] = _sampling(draw, target, tags, cap)
+    if draw(st.booleans()):
+        body["stream"] = draw(st.booleans())
+    if one_in(draw, 4):
+        body["return_logprob"] = True
+        body["top_logprobs_num"] = draw(st.sampled_from((0, 1, 20, 21)))
+        body["logprob_start_len"] = draw(st.sampled_from((-1, 0, 1, 10**6)))
+        body["return_text_in_logprobs"] = draw(st.booleans())
+    if race != "no":
+        tags += ["rid", "rid-family", "rid-x#1-with-n2"]
+        body["rid"] = ["x", "x#1"] if race == "batch" else "x"
+        for sp in body["sampling_params"] if isinstance(body["sampling_params"], list) else [body["sampling_params"]]:
+            sp["n"] = 2
+    elif draw(st.booleans()):
+        if batch:
+            body["rid"] = [draw(rids()) for _ in range(count)]
+            if count > 1 and one_in(draw, 3):
+                body["rid"][-1] = body["rid"][0]
+            if len(set(body["rid"])) < count:
+                tags.append("rid-repeated-in-batch")
+        else:
+            body["rid"] = draw(rids())
+        tags.append("rid")
+        if set(body["rid"] if batch else [body["rid"]]) & set(RID_FAMILY):
+            tags.append("rid-family")
+    if one_in(draw, 6):
+        body["cache_salt"] = draw(st.sampled_from(("tenant-a", "tenant-b", "", "\u00b2", "s" * 257)))
+    return body
+
+
+def _openai_common(draw: Any, target: Target, tags: list[str], body: dict[str, Any], cap: int, max_key: str) -> None:
+    sp = _sampling(draw, target, tags, cap, max_key=max_key)
+    renames = {"min_new_tokens": "min_tokens"}
+    body.update({renames.get(k, k): v for k, v in sp.items()})
+    if not one_in(draw, 4):
+        body["model"] = draw(st.sampled_from(("gpt-4", "", "\u00b2"))) if one_in(draw, 12) else target.model_name
+    if draw(st.booleans()):
+        body["stream"] = draw(st.booleans())
+        if draw(st.booleans()):
+            body["stream_options"] = {"include_usage": draw(st.booleans())}
+    if one_in(draw, 6):
+        body["user"] = draw(st.sampled_from(("u1", "", "\u00b2")))
+
+
+def completion_body(draw: Any, target: Target, tags: list[str], cap: int) -> dict[str, Any]:
+    shape = draw(st.integers(0, 3))
+    if shape == 0:
+        prompt: Any = draw(st.sampled_from(PROMPTS))
+    elif shape == 1:
+        prompt = [draw(st.sampled_from(PROMPTS)) for _ in range(draw(st.integers(1, 3)))]
+    elif shape == 2:
+        prompt = _valid_ids(draw, target, tags)
+    else:
+        prompt = [_valid_ids(draw, target, tags, max_size=4) for _ in range(draw(st.integers(1, 3)))]
+    body: dict[str, Any] = {"prompt": prompt}
+    _openai_common(draw, target, tags, body, cap, "max_tokens")
+    if one_in(draw, 4):
+        body["logprobs"] = draw(st.sampled_from((0, 1, 5, 20, 21)))
+    if one_in(draw, 5):
+        body["echo"] = True
+    return body
+
+
+def chat_body(draw: Any, target: Target, tags: list[str], cap: int) -> dict[str, Any]:
+    roles = st.sampled_from(("user", "user", "system", "assistant", "tool", "developer", "", "\u00b2"))
+    part = st.fixed_dictionaries({"type": st.just("text"), "text": st.sampled_from(PROMPTS)})
+    odd = ("", None, [], [{"type": "image_url", "image_url": {"url": "x"}}], [{"type": "text"}])
+    content = st.one_of(st.sampled_from(PROMPTS), st.lists(part, min_size=1, max_size=2), st.sampled_from(odd))
+    messages = [{"role": draw(roles), "content": draw(content)} for _ in range(draw(st.integers(1, 3)))]
+    if draw(st.booleans()):
+        messages = [{"role": "user", "content": draw(st.sampled_from(PROMPTS))}]
+    body: dict[str, Any] = {"messages": messages}
+    max_key = draw(st.sampled_from(("max_tokens", "max_completion_tokens")))
+    _openai_common(draw, target, tags, body, cap, max_key)
+    if one_in(draw, 4):
+        body["logprobs"] = True
+        body["top_logprobs"] = draw(st.sampled_from((0, 1, 20, 21)))
+    if one_in(draw, 6):
+        body["add_generation_prompt"] = draw(st.booleans())
+    return body
+
+
+def mutate(draw: Any, target: Target, tags: list[str], body: dict[str, Any], keys: Sequence[str]) -> Any:
+    """Up to three hostile edits of a valid body: a field set to a value of a wrong shape, an
+    unknown field, a field deleted, a key repeated, or the whole body of another JSON type."""
+    for _ in range(int(weighted(draw, {"0": 35, "1": 45, "2": 15, "3": 5}))):
+        edit = weighted(draw, {"set": 50, "set-sampling": 20, "unknown": 15, "delete": 10, "retype": 5})
+        if edit in ("set", "set-sampling"):
+            holder, known = _sampling_holder(draw, body, keys) if edit == "set-sampling" else (body, keys)
+            present = sorted(k for k in holder if isinstance(k, str))
+            key = draw(st.sampled_from(present if present and not one_in(draw, 3) else known))
+            holder[key] = draw(bad_max_tokens(target) if key in MAX_KEYS else hostile())
+            tags.append("wrong-value")
+        elif edit == "unknown":
+            holder, _ = _sampling_holder(draw, body, keys) if one_in(draw, 3) else (body, keys)
+            key = draw(st.sampled_from(UNKNOWN_KEYS + (SGLANG_UNSUPPORTED if holder is body else ())))
+            falsy = draw(st.booleans())
+            holder[key] = draw(st.sampled_from(FALSY) if falsy else hostile())
+            tags.append("unknown-field-falsy" if falsy else "unknown-field")
+        elif edit == "delete" and body:
+            key = draw(st.sampled_from(sorted(body)))
+            if key not in MAX_KEYS:
+                del body[key]
+                tags.append("deleted-field")
+        elif edit == "retype":
+            tags.append("body-not-object")
+            return draw(st.one_of(st.just([body]), scalars, st.lists(scalars, max_size=3)))
+    if one_in(draw, 20) and body:
+        key = draw(st.sampled_from(sorted(body)))
+        if key not in (*MAX_KEYS, "sampling_params"):  # a repeat is not seen by `cap_tokens`
+            tags.append("repeated-key")
+            return Pairs((*body.items(), (key, draw(hostile()))))
+    return body
+
+
+def _sampling_holder(draw: Any, body: dict[str, Any], keys: Sequence[str]) -> tuple[dict[str, Any], Sequence[str]]:
+    """/generate's sampling parameters (one of them, for a list) and their keys, else the body
+    and its own (the OpenAI routes take sampling parameters at the top)."""
+    sps = body.get("sampling_params")
+    if isinstance(sps, list) and sps:
+        sps = sps[draw(st.integers(0, len(sps) - 1))]
+    return (sps, SAMPLING_KEYS) if isinstance(sps, dict) else (body, keys)
+
+
+def cap_tokens(body: Any, target: Target, cap: int, path: str) -> None:
+    """Keep every request cheap: a max-token field that is absent or null (the server's default:
+    128, or the whole context for chat) or valid but above `cap` becomes `cap`."""
+    if not isinstance(body, dict):
+        return
+
+    def fix(holder: dict[str, Any], key: str) -> None:
+        value = holder.get(key)
+        if value is None or (type(value) is int and cap < value <= target.context_len):
+            holder[key] = cap
+
+    if path == "/generate":
+        sps = body.get("sampling_params")
+        if sps is None:
+            body["sampling_params"] = sps = {}
+        for sp in sps if isinstance(sps, list) else [sps]:
+            if isinstance(sp, dict):
+                fix(sp, "max_new_tokens")
+    elif path == "/v1/chat/completions" and body.get("max_completion_tokens") is not None:
+        fix(body, "max_completion_tokens")
+    else:
+        fix(body, "max_tokens")

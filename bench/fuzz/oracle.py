@@ -1,0 +1,296 @@
+"""The oracle: what every answer must be, what the documented rules say must be refused, and
+which aborts no abort call explains."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from bench.fuzz.client import Answer
+from bench.fuzz.request import GENERATING, FuzzRequest, Target
+from bench.fuzz.values import SAMPLING_KEYS, SGLANG_UNSUPPORTED, UNKNOWN_KEYS
+
+
+@dataclass
+class Outcome:
+    """One request's fate: its problems (kind, detail), and what the abort check needs."""
+
+    index: int
+    route: str
+    status: int | None
+    start: float
+    end: float
+    problems: list[tuple[str, str]] = field(default_factory=list)
+    note: str | None = None  # left, hang, overloaded, closed-over-limit
+    aborted: list[str | None] = field(default_factory=list)  # labels of sequences that ended in "abort"
+    abort_call: tuple[str | None, bool] | None = None  # an /abort_request that answered 200: (rid, all)
+
+
+def judge(req: FuzzRequest, ans: Answer, limit: int) -> tuple[list[tuple[str, str]], str | None]:
+    """The per-request oracle: (problems, a note on an allowed special case)."""
+    over = len(req.payload()) > limit and req.body is not None
+    if ans.left:
+        return [], "left"
+    if ans.status is None:
+        if over:  # the server may close while the rest of an oversized body is still coming
+            return [], "closed-over-limit"
+        return [("connection", ans.error or "no answer")], None
+    problems: list[tuple[str, str]] = []
+    text = ans.body.decode("utf-8", "replace")
+    if ans.status >= 500:
+        if ans.status == 503 and error_code(ans.body) == "overloaded":
+            return [], "overloaded"
+        return [("5xx", f"{ans.status} {text[:500]}")], None
+    if over and req.route in GENERATING and ans.status != 413:
+        problems.append(("limit-not-enforced", f"{len(req.payload())} bytes > {limit} answered {ans.status}"))
+    if ans.status == 413 and not over:
+        problems.append(("unexpected-413", f"{len(req.payload())} bytes <= {limit}"))
+    if ans.status >= 400:
+        flush_refused = ans.status == 409 and req.route in ("/flush_cache", "/reset_prefix_cache")  # {"ok": false}
+        if req.method != "HEAD" and not flush_refused and error_message(ans.body) is None:
+            problems.append(("bad-error-body", f"{ans.status} {text[:300]!r}"))
+        return problems, None
+    if ans.events is not None:
+        for event in ans.events:
+            try:
+                data = json.loads(event)
+            except ValueError:
+                problems.append(("bad-event", event[:300]))
+                continue
+            if isinstance(data, dict) and "error" in data:
+                problems.append(("stream-error", event[:500]))
+        if not ans.done:
+            problems.append(("stream-unfinished", f"{len(ans.events)} events, no [DONE]"))
+    elif ans.status < 300 and req.method != "HEAD" and req.route != "/metrics":  # a 3xx: a redirect
+        try:
+            json.loads(ans.body)
+        except ValueError:
+            problems.append(("bad-json", text[:300]))
+    return problems, None
+
+
+# The documented per-request rules (docs/server.md), written out again as the oracle for
+# answers that must be refused. name -> (low, high, low excluded); ints are typed as numbers too
+_FLOAT_RULES = {
+    "temperature": (0.0, 100.0, False), "top_p": (0.0, 1.0, True), "min_p": (0.0, 1.0, False),
+    "frequency_penalty": (-2.0, 2.0, False), "presence_penalty": (-2.0, 2.0, False),
+    "repetition_penalty": (0.01, 10.0, False),
+}
+_BOOL_RULES = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
+_TOKEN_KEY = re.compile(r"[0-9]{1,10}")
+# what an OpenAI error must not name unless the client sent it: our internal names
+_INTERNAL_PARAMS = frozenset({"max_new_tokens", "min_new_tokens", "top_logprobs_num", "sampling_params",
+                              "input_ids", "text", "return_logprob", "logprob_start_len"})
+
+
+def must_refuse(route: str, body: Any, target: Target) -> str | None:
+    """Why the documented rules refuse this body whatever else it holds, or None when they may
+    accept it (the oracle for 2xx answers to bodies that break a rule)."""
+    if not isinstance(body, dict):
+        return "the body is not a JSON object"
+    if route == "/generate":
+        unknown = [k for k in body if k in UNKNOWN_KEYS]
+        unknown += [k for k in body if k in SGLANG_UNSUPPORTED and not _empty(body[k])]
+        if unknown:
+            return f"unknown or unsupported field {unknown[0]!r}"
+        if body.get("cache_salt") == "" or body.get("rid") == "":
+            return "an empty cache_salt or rid"
+        rid = body.get("rid")
+        named = [r for r in rid if isinstance(r, str)] if isinstance(rid, list) else []
+        if len(set(named)) < len(named):
+            return "a rid twice in one batch"
+        sps = body.get("sampling_params")
+        for sp in sps if isinstance(sps, list) else [sps]:
+            if isinstance(sp, dict):
+                if any(k in UNKNOWN_KEYS and k not in SAMPLING_KEYS for k in sp):
+                    return "an unknown sampling parameter"
+                why = _sampling_refusal(sp, target, "max_new_tokens", "min_new_tokens")
+                if why:
+                    return why
+        return None
+    if body.get("cache_salt") == "":
+        return "an empty cache_salt"
+    chat_max = route.endswith("chat/completions") and body.get("max_completion_tokens") is not None
+    max_key = "max_completion_tokens" if chat_max else "max_tokens"
+    return _sampling_refusal(body, target, max_key, "min_tokens")
+
+
+def _empty(value: Any) -> bool:
+    """What an unsupported SGLang field may be: null, false or empty (not 0)."""
+    return value is None or value is False or (type(value) in (list, dict, str) and not value)
+
+
+def _sampling_refusal(sp: dict[str, Any], target: Target, max_key: str, min_key: str) -> str | None:
+    given = {k: v for k, v in sp.items() if v is not None}
+
+    def bad_int(key: str, low: int, high: int) -> bool:
+        return key in given and (type(given[key]) is not int or not low <= given[key] <= high)
+
+    if bad_int(max_key, 0, 16384) or bad_int("n", 1, 16) or bad_int("seed", 0, 2**63 - 1) or bad_int("top_k", -1, 2**200):
+        return "a count out of range or not an integer"
+    if bad_int(min_key, 0, given.get(max_key, 0) if type(given.get(max_key, 0)) is int else 0):
+        return f"{min_key} out of range"
+    for key, (low, high, low_open) in _FLOAT_RULES.items():
+        if key in given:
+            number = _as_float(given[key])
+            if number is None or number > high or (number <= low if low_open else number < low):
+                return f"{key} {given[key]!r:.40} out of range or not a number"
+    if 0 < (_as_float(given.get("temperature", 0)) or 0) < 1e-5:
+        return "a temperature between 0 and 1e-5"
+    if any(key in given and type(given[key]) is not bool for key in _BOOL_RULES):
+        return "a flag that is not a boolean"
+    stop = given.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop
+    if stop is not None and (not isinstance(stops, list) or len(stops) > 16
+                             or any(not isinstance(x, str) or not x or len(x) > 256 for x in stops)):
+        return "stop strings out of the rules"
+    ids = given.get("stop_token_ids")
+    if ids is not None and (not isinstance(ids, list) or len(ids) > 1024
+                            or any(type(t) is not int or not 0 <= t < target.vocab_size for t in ids)):
+        return "stop_token_ids out of the rules"
+    bias = given.get("logit_bias")
+    if bias is not None and (not isinstance(bias, dict) or len(bias) > 1024 or any(
+            not _TOKEN_KEY.fullmatch(k) or int(k) >= target.vocab_size for k in bias)):
+        return "a logit_bias key that is not a token id"
+    if isinstance(bias, dict) and any(_as_float(v) is None or not -100 <= _as_float(v) <= 100 for v in bias.values()):
+        return "a logit_bias value out of range"
+    return None
+
+
+def _as_float(value: Any) -> float | None:
+    """A JSON number as a finite float; None for anything else (bools, NaN, huge ints)."""
+    if type(value) not in (int, float):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def json_or_none(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):  # not JSON, more digits than Python parses, or too deep
+        return None
+
+
+def error_field(raw: bytes, key: str) -> Any:
+    """A field of an OpenAI-shaped error body, or None."""
+    data = json_or_none(raw)
+    error = data.get("error") if isinstance(data, dict) else None
+    return error.get(key) if isinstance(error, dict) else None
+
+
+def error_message(raw: bytes) -> str | None:
+    message = error_field(raw, "message")
+    return message if isinstance(message, str) and message else None
+
+
+def error_code(raw: bytes) -> str | None:
+    return error_field(raw, "code")
+
+
+def results_of(req: FuzzRequest, ans: Answer) -> dict[int, dict[str, Any]]:
+    """Each sequence's final result by position: /generate results, OpenAI choices."""
+    if req.route == "/generate":
+        if ans.events is not None:
+            items = [e for e in map(json_or_none, ans.events) if isinstance(e, dict)]
+        else:
+            data = json_or_none(ans.body)
+            items = data if isinstance(data, list) else [data]
+        return {item.get("index", 0): item for item in items if isinstance(item, dict)}
+    finals: dict[int, dict[str, Any]] = {}
+    chunks = [json_or_none(e) for e in ans.events] if ans.events is not None else [json_or_none(ans.body)]
+    for chunk in chunks:
+        for choice in chunk.get("choices") or [] if isinstance(chunk, dict) else []:
+            if isinstance(choice, dict) and choice.get("finish_reason") is not None:
+                finals[choice.get("index", 0)] = choice
+    return finals
+
+
+def check_rules(req: FuzzRequest, ans: Answer, outcome: Outcome, target: Target) -> None:
+    """A generating route's answer against the documented rules: a body that breaks one is
+    refused; an OpenAI error names a field the client sent; a 2xx has the results asked for."""
+    body = json_or_none(req.payload()) if req.body is not None else None
+    if ans.status is None or body is None:
+        return
+    if ans.status < 300:
+        why = must_refuse(req.route, body, target)
+        if why is not None:
+            outcome.problems.append(("accepted-invalid", f"answered {ans.status} to a body with {why}"))
+        check_results(req, ans, outcome)
+    elif req.route != "/generate" and isinstance(body, dict):
+        param = error_field(ans.body, "param")
+        internal = _INTERNAL_PARAMS | ({"prompt"} if req.route.endswith("chat/completions") else set())
+        if param in internal and param not in body:
+            outcome.problems.append(("param-not-sent", f"the error names {param!r}, a field the client did not send"))
+
+
+def check_results(req: FuzzRequest, ans: Answer, outcome: Outcome) -> None:
+    """For a 2xx of a generating route: one result per sequence asked for, each labelled with
+    the rid its prompt was given; collects the sequences that ended in "abort"."""
+    body = json_or_none(req.payload()) if req.body is not None else None
+    if not isinstance(body, dict):
+        return
+    finals = results_of(req, ans)
+    labels = _labels(body) if req.route == "/generate" else None
+    expected = len(labels) if labels is not None else _sequences(req.route, body)
+    if expected is not None and not ans.left and set(finals) != set(range(expected)):
+        outcome.problems.append(("result-count", f"asked for {expected} sequences, got results at {sorted(finals)}"))
+    for pos, result in sorted(finals.items()):
+        if req.route == "/generate":
+            meta = result.get("meta_info") or {}
+            finish = (meta.get("finish_reason") or {}).get("type")
+            label = meta.get("id")
+            if labels is not None and pos < len(labels) and label != labels[pos]:
+                outcome.problems.append(("rid-mismatch", f"sequence {pos} labelled {label!r}, its rid is {labels[pos]!r}"))
+        else:
+            finish, label = result.get("finish_reason"), None
+        if finish == "abort":
+            outcome.aborted.append(label)
+
+
+def _prompt_count(body: dict[str, Any]) -> int | None:
+    prompt = body.get("text", body.get("input_ids", body.get("prompt")))
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and not isinstance(prompt[0], (str, list))):
+        return 1
+    return len(prompt) if isinstance(prompt, list) else None
+
+
+def _labels(body: dict[str, Any]) -> list[str] | None:
+    """/generate: the rid each sequence must carry (prompt-major, n per prompt), when given."""
+    count, rid = _prompt_count(body), body.get("rid")
+    if count is None or rid is None:
+        return None
+    sps = body.get("sampling_params")
+    sps = sps if isinstance(sps, list) else [sps] * count
+    ns = [(sp or {}).get("n") or 1 if isinstance(sp, dict) else 1 for sp in sps]
+    rids_ = rid if isinstance(rid, list) else [rid] * count
+    return [rids_[i] for i in range(count) for _ in range(ns[i])]
+
+
+def _sequences(route: str, body: dict[str, Any]) -> int | None:
+    if route == "/generate":
+        return None  # without rids: counted by `_labels` only when given
+    count = 1 if route == "/v1/chat/completions" else _prompt_count(body)
+    n = body.get("n") or 1
+    return count * n if count is not None and type(n) is int else None
+
+
+def unexplained_aborts(outcomes: Sequence[Outcome]) -> list[Outcome]:
+    """Requests with a sequence aborted though no /abort_request for its rid (or abort_all)
+    ran while it was in flight: an abort reached the wrong request."""
+    calls = [o for o in outcomes if o.abort_call is not None]
+    bad = []
+    for o in outcomes:
+        for label in o.aborted:
+            if not any(c.start <= o.end and c.end >= o.start and (c.abort_call[1] or c.abort_call[0] == label)
+                       for c in calls if c.abort_call is not None):
+                bad.append(o)
+                break
+    return bad

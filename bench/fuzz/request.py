@@ -1,0 +1,81 @@
+"""What is fuzzed (the server, as it describes itself) and one request of a plan."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from bench.fuzz.encoding import encode
+
+GENERATING = ("/generate", "/v1/completions", "/v1/chat/completions")
+
+
+@dataclass(frozen=True)
+class Target:
+    """What the strategies need to know about the server (read from /server_info)."""
+
+    model_name: str
+    vocab_size: int
+    context_len: int
+    max_body_bytes: int
+    max_new_tokens: int = 4  # valid requests ask for at most this many tokens
+    leaver_tokens: int = 64  # ... and clients that leave before the end for at most this many
+
+    @classmethod
+    def from_server(cls, url: str, **caps: int) -> Target:
+        return cls.from_info(httpx.get(url + "/server_info", timeout=60).raise_for_status().json(), **caps)
+
+    @classmethod
+    def from_info(cls, info: dict[str, Any], **caps: int) -> Target:
+        model = info["model"]
+        return cls(
+            model_name=model["name"], vocab_size=model["vocab_size"], context_len=model["context_len"],
+            max_body_bytes=info["options"]["max_body_bytes"], **caps,
+        )
+
+
+@dataclass
+class FuzzRequest:
+    """One request of the plan and how its client behaves.
+
+    `mode`: `plain` (read the whole answer, a stream too), `leave-stream` (hang up after
+    `leave_after` events), `leave` (send, wait `leave_after` ms, hang up), `slow` (the body in
+    `pieces` pieces, 0.3 s apart), `chunked` (chunked transfer encoding, no Content-Length).
+    """
+
+    method: str
+    path: str
+    route: str  # the route's name in the figures (a path template)
+    body: Any = None  # None: no body; bytes: sent as they are; else a JSON value (with Raw, Pairs, Pad)
+    ascii_only: bool = True
+    mode: str = "plain"
+    leave_after: int = 0
+    pieces: int = 1
+    headers: dict[str, str] = field(default_factory=dict)
+    tags: tuple[str, ...] = ()
+    _payload: bytes | None = field(default=None, init=False, repr=False, compare=False)
+
+    def payload(self) -> bytes:
+        """The body's bytes (kept when small: the oracle reads them several times)."""
+        if self.body is None:
+            return b""
+        if isinstance(self.body, bytes):
+            return self.body
+        if self._payload is not None:
+            return self._payload
+        raw = encode(self.body, self.ascii_only)
+        if len(raw) <= 1 << 20:
+            self._payload = raw
+        return raw
+
+    def describe(self, limit: int = 2000) -> dict[str, Any]:
+        """The request for a report: everything but a long body's middle."""
+        raw = self.payload()
+        text = raw.decode("utf-8", "backslashreplace")
+        if len(text) > limit:
+            text = f"{text[: limit // 2]}...<{len(text) - limit} characters>...{text[-limit // 2 :]}"
+        return {"method": self.method, "path": self.path, "mode": self.mode, "leave_after": self.leave_after,
+                "pieces": self.pieces, "headers": self.headers, "body_bytes": len(raw), "body": text,
+                "tags": list(self.tags)}
