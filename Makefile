@@ -35,7 +35,7 @@ bench: setup
 
 # The HTTP fuzzer's long run (bench/fuzz/): 10,000 valid and hostile requests over every route
 # of a server it starts on a tiny random model with the default tokenizer (minutes; --model default
-# serves the real model, about 40 minutes on 2 cores); figures in bench/results/fuzz.json.
+# serves the real model, 8 to 10 minutes on 2 cores); figures in bench/results/fuzz.json.
 fuzz: setup
 	$(BIN)/python -m bench.fuzz --requests 10000 --model tiny
 
