@@ -19,8 +19,8 @@ from typing import Any
 from radixserve.config import ServerConfig
 from radixserve.front.inputs import build_requests
 from radixserve.front.manager import GenerateRequest, RequestFailed, TokenizerManager
-from radixserve.front.tokenizer import load_tokenizer, prompt_char_limit
-from radixserve.front.validation import Limits
+from radixserve.front.serving import request_limits
+from radixserve.front.tokenizer import load_tokenizer
 from radixserve.launch import Backend
 
 _DONE = object()
@@ -38,10 +38,7 @@ class Engine:
         self.ready = self._backend.start()
         try:
             self.tokenizer = load_tokenizer(self.ready.model_path)
-            self.limits = Limits(
-                max_sequences=self.config.max_queued_requests,
-                max_prompt_chars=prompt_char_limit(self.tokenizer, self.ready.context_len),
-            )
+            self.limits = request_limits(self.config, self.ready, self.tokenizer)
             self._thread.start()
             self.manager = TokenizerManager(self._backend.endpoints, self.ready, self.tokenizer)
             self._call(self._start_manager())

@@ -30,6 +30,15 @@ T = TypeVar("T")
 PREPARE_THREADS = 2
 
 
+def request_limits(config: ServerConfig, ready: SchedulerReady, tokenizer: Any) -> Limits:
+    """The per-request caps of a server or `Engine`: prompts x n at most the queue's size, and
+    no text longer than the context could possibly hold (`prompt_char_limit`)."""
+    return Limits(
+        max_sequences=config.max_queued_requests,
+        max_prompt_chars=prompt_char_limit(tokenizer, ready.context_len),
+    )
+
+
 @dataclass
 class ServerState:
     """Everything a route needs. `manager` is set once the server's event loop runs."""
@@ -46,10 +55,7 @@ class ServerState:
     health_probe: asyncio.Future[str | None] | None = None  # the one-token probe /health runs when idle
 
     def __post_init__(self) -> None:
-        self.limits = Limits(
-            max_sequences=self.config.max_queued_requests,
-            max_prompt_chars=prompt_char_limit(self.tokenizer, self.ready.context_len),
-        )
+        self.limits = request_limits(self.config, self.ready, self.tokenizer)
         self.prepare_pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="radixserve-prepare")
 
     async def prepare(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
