@@ -163,7 +163,8 @@ class SchedulerStats(msgspec.Struct, tag=True):
     total_pages: int
     free_pages: int
     cached_pages: int  # held by the radix tree (evictable or locked)
-    running_pages: int  # held by running requests and not by the tree
+    evictable_pages: int  # held by the radix tree and by no running request: reclaimable
+    running_pages: int  # held by running requests: their own, and the tree's they lock
     prompt_tokens_total: int
     cached_prompt_tokens_total: int
     generation_tokens_total: int

@@ -97,7 +97,7 @@ def assert_pages_balanced(info: dict[str, Any]) -> None:
     """Every page is free or cached: nothing left held by a finished or aborted request."""
     pages = info["pages"]
     assert pages["in_use"] == 0, pages
-    assert pages["free"] + pages["cached"] == pages["total"], pages
+    assert pages["free"] + pages["cached"] == pages["total"] and pages["evictable"] == pages["cached"], pages
 
 
 def sse_events(lines: list[str]) -> tuple[list[Any], bool]:

@@ -130,6 +130,7 @@ CASES = {
     "chat huge max_tokens": (*_chat(max_tokens=10**9), 400, "max_tokens"),
     # routes and methods
     "unknown route": ("POST", "/v2/generate", {}, 404, "no route"),
+    "trailing slash": ("POST", "/generate/", {"text": "hi"}, 404, "no route"),
     "wrong method": ("GET", "/generate", None, 405, "not allowed"),
     "wrong method on chat": ("PUT", "/v1/chat/completions", {}, 405, "not allowed"),
 }

@@ -201,11 +201,27 @@ def test_flush_cache_empties_the_tree(client, server):
     assert again["meta_info"]["cached_tokens"] == 0
 
 
+def test_flush_cache_while_a_request_runs_is_a_409_error_and_its_pages_show_in_use(client, server):
+    body = {"text": LONG_PROMPT, "stream": True, "sampling_params": {**GREEDY, "max_new_tokens": 1500, "ignore_eos": True}}
+    with client.stream("POST", "/generate", json=body) as stream:
+        lines = stream.iter_lines()  # one iterator, kept: a dropped one closes the connection
+        assert stream.status_code == 200 and next(lines).startswith("data: {")  # running now
+        info = server.info()
+        r = client.post("/flush_cache")
+        assert [line for line in lines if line][-1] == "data: [DONE]"
+    pages = info["pages"]
+    assert info["requests"]["running"] == 1 and pages["in_use"] > 0, info
+    assert pages["free"] + pages["evictable"] + pages["in_use"] == pages["total"], pages
+    error = r.json()["error"]
+    assert r.status_code == 409 and error["code"] == "requests_running" and "running" in error["message"], r.text
+    assert_pages_balanced(server.wait_idle())
+
+
 def test_server_info_and_health_and_models(client, server, tiny_dir):
     info = server.info()
     assert info["model"]["path"] == str(tiny_dir) and info["model"]["dtype"] == "float32"
     assert info["options"]["page_size"] == 4 and info["options"]["api_key"] is None
-    assert set(info["pages"]) == {"total", "free", "cached", "in_use"} and info["pages"]["total"] == 1024
+    assert set(info["pages"]) == {"total", "free", "cached", "evictable", "in_use"} and info["pages"]["total"] == 1024
     assert set(info["pids"]) == {"server", "scheduler", "worker"} and info["pids"]["server"] == server.proc.pid
     assert info["cpu_isa"] == str(isa.selected_tier())  # the server inherits RADIXSERVE_CPU_ISA, if set
     assert client.get("/health").json() == {"status": "ok"}

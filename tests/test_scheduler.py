@@ -139,6 +139,68 @@ def test_chunked_prefill_respects_the_token_budget():
     assert done["a", 0]["tokens"] == expected_tokens(list(range(100, 150)), 5)
 
 
+def run_steps(sched: Scheduler, worker: FakeWorker, arrivals: dict[int, list]) -> tuple[dict[int, int], list[int]]:
+    """Step until idle, adding `arrivals[step]` before that step; return each rid's first-token
+    step and the tokens computed in every step."""
+    first_token, step_tokens = {}, []
+    for step in range(10_000):
+        for msg in arrivals.get(step, []):
+            assert sched.add_request(msg) is None
+        batch = sched.build_batch()
+        if batch is None:
+            break
+        step_tokens.append(sum(len(c.token_ids) for c in batch.chunks))
+        sched.process_result(worker.step(batch))
+        for out in sched.outputs:
+            if out.new_token_ids:
+                first_token.setdefault(out.rid, step)
+        sched.outputs = []
+    sched.kv.check([])
+    assert sched.kv.allocator.num_free + sched.kv.cache.stats().cached_pages == sched.kv.total_pages
+    return first_token, step_tokens
+
+
+def test_a_short_request_is_not_stuck_behind_a_long_chunked_prefill():
+    """While a long prompt's chunked prefill runs, a share of each step's budget goes to short
+    prompts: one that arrives mid-prefill gets its first token at once, not after the long one."""
+    sched, worker = make(chunk_size=64, pages=1024)
+    arrivals = {0: [request("long", list(range(100, 1100)))], 2: [request("short", list(range(3000, 3010)))]}
+    first_token, _ = run_steps(sched, worker, arrivals)
+    assert first_token[rid("short")] == 2
+    assert first_token[rid("long")] >= 15  # 1000 tokens at 54 to 64 a step: not delayed either
+
+
+def test_long_prefills_keep_most_of_the_budget_while_short_ones_stream_in():
+    """Neither side starves: short arrivals every step cannot stop a long prefill."""
+    sched, worker = make(chunk_size=64, pages=2048, max_running_requests=64)
+    arrivals = {step: [request(f"s{step}", list(range(4000 + 12 * step, 4000 + 12 * step + 12)))] for step in range(1, 40)}
+    arrivals[0] = [request("long2", list(range(100, 1100)))]
+    first_token, _ = run_steps(sched, worker, arrivals)
+    assert first_token[rid("long2")] <= 1000 // 48 + 2  # at least 3/4 of every step
+    assert all(first_token[rid(f"s{step}")] == step for step in range(1, 40))
+
+
+def test_the_whole_budget_goes_to_one_long_prefill_when_nothing_else_waits():
+    sched, worker = make(chunk_size=16, pages=512)
+    _, step_tokens = run_steps(sched, worker, {0: [request("alone", list(range(100, 400)))]})
+    assert step_tokens[:19] == [16] * 18 + [12]  # 300 = 18 * 16 + 12
+
+
+def test_pages_of_a_chunked_prefill_count_as_in_use_not_as_evictable():
+    """A chunked prefill publishes its pages to the cache as it goes; they are still in use."""
+    sched, worker = make(chunk_size=16, pages=512)
+    sched.add_request(request("long", list(range(100, 400))))
+    for _ in range(10):
+        sched.process_result(worker.step(sched.build_batch()))
+        stats = sched.stats(0)
+        assert stats.cached_pages > 0
+        assert stats.running_pages >= stats.cached_pages  # every page so far, cached or not
+        assert stats.free_pages + stats.evictable_pages + stats.running_pages == stats.total_pages
+    run(sched, worker)
+    stats = sched.stats(0)
+    assert stats.running_pages == 0 and stats.evictable_pages == stats.cached_pages > 0
+
+
 def test_lpm_admits_the_longest_cached_prefix_first():
     sched, worker = make(max_running_requests=1)
     doc = list(range(500, 540))

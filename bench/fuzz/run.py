@@ -234,7 +234,7 @@ async def _after(client: httpx.AsyncClient, idle_timeout: float) -> dict[str, An
             break
         await asyncio.sleep(0.5)
     pages = info["pages"]
-    balanced = idle and pages["in_use"] == 0 and pages["free"] + pages["cached"] + pages["in_use"] == pages["total"]
+    balanced = idle and pages["in_use"] == 0 and pages["free"] + pages["evictable"] + pages["in_use"] == pages["total"]
     return {"idle": idle, "pages": pages, "requests": info["requests"], "balanced": balanced}
 
 

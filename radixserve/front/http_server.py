@@ -103,6 +103,7 @@ def create_app(config: ServerConfig, backend: Backend, ready: SchedulerReady, to
         routes=routes, lifespan=_lifespan,
         exception_handlers={HTTPException: _http_exception},  # 404, 405 as JSON too
     )
+    app.router.redirect_slashes = False  # `/generate/` is a JSON 404, not an empty 307
     app.state.server = state
     if config.api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
@@ -247,7 +248,10 @@ async def server_info(request: Request) -> Response:
     ready = state.ready
     pages = None
     if stats is not None:
-        pages = {"total": stats.total_pages, "free": stats.free_pages, "cached": stats.cached_pages, "in_use": stats.running_pages}
+        pages = {
+            "total": stats.total_pages, "free": stats.free_pages, "cached": stats.cached_pages,
+            "evictable": stats.evictable_pages, "in_use": stats.running_pages,
+        }
     return JSONResponse({
         "version": __version__,
         "model": {
@@ -297,8 +301,10 @@ async def flush_cache(request: Request) -> Response:
     done = await _state(request).get_manager().flush_cache()
     if done.ok:
         return JSONResponse({"ok": True, "freed_pages": done.freed_pages, "message": "the prefix cache is empty"})
-    message = "requests are running: their cached prefixes are locked and stay; unlocked ones were dropped"
-    return JSONResponse({"ok": False, "freed_pages": done.freed_pages, "message": message}, status_code=409)
+    raise HTTPError(
+        409, f"requests are running: their cached prefixes are locked and stay; the {done.freed_pages} "
+        "unlocked pages were dropped", code="requests_running",
+    )
 
 
 # ---------------------------------------------------------------------- /generate

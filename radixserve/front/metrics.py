@@ -32,7 +32,8 @@ _GAUGES = (
     ("kv_pages_total", "KV pages in the pool.", "total_pages"),
     ("kv_pages_free", "KV pages on the free list.", "free_pages"),
     ("kv_pages_cached", "KV pages held by the prefix cache (radix tree), evictable or locked.", "cached_pages"),
-    ("kv_pages_running", "KV pages held by running requests and not by the prefix cache.", "running_pages"),
+    ("kv_pages_evictable", "KV pages held by the prefix cache and by no running request.", "evictable_pages"),
+    ("kv_pages_running", "KV pages held by running requests, theirs and the cached ones they lock.", "running_pages"),
 )
 _COUNTERS = (
     ("prompt_tokens", "Prompt tokens of admitted requests.", "prompt_tokens_total"),
@@ -58,7 +59,7 @@ class _SchedulerCollector(Collector):
         yield GaugeMetricFamily(
             PREFIX + "kv_cache_usage_ratio",
             "Fraction of KV pages held by running requests (pages held only by the prefix cache "
-            "are reusable and counted in radixserve_kv_pages_cached).",
+            "are reusable and counted in radixserve_kv_pages_evictable).",
             value=usage,
         )
         for name, doc, attr in _COUNTERS:

@@ -8,6 +8,9 @@ One step, as `Scheduler.build_batch` makes it:
     3. continue chunked prefills of running requests, within the step's prompt-token budget;
     4. admit waiting requests in policy order while the budget, rows and pages allow.
 
+Steps 3 and 4 share the budget (`_schedule_prompts`): while a long prefill runs, short
+prefills and admission get a share of every step first, so nothing waits behind a long prompt.
+
 `process_result` then appends sampled tokens, checks stop conditions and produces the outputs
 the front streams to clients.
 """
@@ -49,6 +52,7 @@ MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.002  # per step without retraction
 RETRACT_RATIO_STEP = 0.2  # added after each retraction: admission learns to leave more room
 DEDUP_MIN_TOKENS = 32  # shared uncached prefix worth waiting one prefill for
+ADMISSION_SHARE = 4  # 1/4 of a step's prompt budget goes to short prompts while a long one runs
 
 
 @dataclass
@@ -147,6 +151,7 @@ class Scheduler:
             total_pages=self.kv.total_pages,
             free_pages=self.kv.allocator.num_free,
             cached_pages=cache.cached_pages,
+            evictable_pages=cache.evictable_pages,
             running_pages=self.kv.running_pages(),
             prompt_tokens_total=self.counters.prompt_tokens,
             cached_prompt_tokens_total=self.counters.cached_prompt_tokens,
@@ -166,13 +171,14 @@ class Scheduler:
             self._finish(req, FinishReason("abort", message="aborted"))
         self._in_flight, self._in_flight_keys = [], set()
         self._schedule_decodes()
-        budget = self._continue_prefills(self.config.chunk_size)
-        self._admit(budget)
+        if self.waiting:
+            self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        self._schedule_prompts(self.config.chunk_size)
         if not self._in_flight and len(self.running) > 1:
             # every running request is a prefill stuck for pages held by the others: make room
             self._retract(self._victim())
             self._schedule_decodes()
-            self._continue_prefills(self.config.chunk_size)
+            self._continue_prefills(self._unscheduled_prefills(), self.config.chunk_size)
         if not self._in_flight:
             return None
         assigned, appended, released = self.kv.take_deltas()
@@ -215,22 +221,44 @@ class Scheduler:
                 continue  # a lone request at the pool's limit: context_len prevents this
             self._add_chunk(req, 1)
 
-    def _continue_prefills(self, budget: int) -> int:
-        for req in self.running:
+    def _schedule_prompts(self, budget: int) -> None:
+        """Share the step's prompt-token budget between running prefills and admission.
+
+        A long prefill (more left than one step's budget) would otherwise take every step's
+        budget until it is done, and a short request behind it would wait for all of it. While
+        a long prefill runs, the short prefills and admission get a share of each step first,
+        and the long ones the rest; whatever one side leaves goes to the other, so neither
+        starves and no budget is wasted.
+        """
+        prefilling = self._unscheduled_prefills()
+        long = [r for r in prefilling if r.fill_len - r.computed_len > budget]
+        short = [r for r in prefilling if r not in long]
+        if not long:
+            self._admit(self._continue_prefills(short, budget))
+            return
+        share = max(1, budget // ADMISSION_SHARE)
+        unused = self._admit(self._continue_prefills(short, share))
+        self._admit(self._continue_prefills(long, budget - share + unused))
+
+    def _unscheduled_prefills(self) -> list[Request]:
+        return [r for r in self.running if r.is_prefilling and not self._scheduled(r)]
+
+    def _continue_prefills(self, requests: list[Request], budget: int) -> int:
+        """Next prefill chunks of `requests`, in order, within `budget`; returns what is left."""
+        for req in requests:
             if budget <= 0:
                 break
-            if not req.is_prefilling or self._scheduled(req):
-                continue
             n = self._grow_for_chunk(req, min(req.fill_len - req.computed_len, budget))
             if n > 0:
                 self._add_chunk(req, n)
                 budget -= n
         return budget
 
-    def _admit(self, budget: int) -> None:
+    def _admit(self, budget: int) -> int:
+        """Admit waiting requests with prefill chunks of at most `budget` tokens in all;
+        returns the budget left."""
         if not self.waiting:
-            return
-        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+            return budget
         for req in order_waiting(self.waiting, self.config.schedule_policy, self.kv.cache):
             if budget <= 0 or not self.kv.has_free_row or len(self.running) >= self.config.max_running_requests:
                 break
@@ -257,6 +285,7 @@ class Scheduler:
                 self.counters.cached_prompt_tokens += matched
             self._add_chunk(req, n)
             budget -= n
+        return budget
 
     def _should_wait_for_prefill(self, req: Request, cached: int) -> bool:
         """Defer a request whose prefix a running prefill is about to publish (lpm, or n > 1

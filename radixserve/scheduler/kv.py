@@ -97,7 +97,9 @@ class KVManager:
         req.reset_kv()
 
     def running_pages(self) -> int:
-        return self.allocator.num_used - self.cache.stats().cached_pages
+        """Pages running requests hold: their own, and the cached ones they lock (a chunked
+        prefill publishes its pages to the tree as it goes, but they are no less in use)."""
+        return self.allocator.num_used - self.cache.stats().evictable_pages
 
     def check(self, running: list[Request]) -> None:
         """Raise RuntimeError unless free + tree + request-owned pages == total."""
