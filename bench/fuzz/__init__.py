@@ -14,7 +14,7 @@ fields with falsy values, repeated keys, streaming on and off, and, in small num
 disconnect (mid-stream or before the answer), bodies at and over `--max-body-bytes`, bodies sent
 in slow pieces or chunked.
 
-The oracle, per request (`judge`, `check_rules`): a 2xx or 3xx, or a 4xx whose body is a JSON
+The oracle, per request (`judge`, `check_rules`): a 2xx, or a 4xx whose body is a JSON
 error with a message (never a 5xx but the documented 503 `overloaded`; never a connection closed
 without an answer but for a body over the limit), an answer within `--timeout` seconds, a stream
 that ends with `[DONE]` and no error event; a body that breaks a documented rule refused

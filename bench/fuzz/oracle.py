@@ -49,9 +49,11 @@ def judge(req: FuzzRequest, ans: Answer, limit: int) -> tuple[list[tuple[str, st
         problems.append(("limit-not-enforced", f"{len(req.payload())} bytes > {limit} answered {ans.status}"))
     if ans.status == 413 and not over:
         problems.append(("unexpected-413", f"{len(req.payload())} bytes <= {limit}"))
+    if 300 <= ans.status < 400:
+        problems.append(("redirect", f"{ans.status} {ans.headers.get('location')!r}"))
+        return problems, None
     if ans.status >= 400:
-        flush_refused = ans.status == 409 and req.route in ("/flush_cache", "/reset_prefix_cache")  # {"ok": false}
-        if req.method != "HEAD" and not flush_refused and error_message(ans.body) is None:
+        if req.method != "HEAD" and error_message(ans.body) is None:
             problems.append(("bad-error-body", f"{ans.status} {text[:300]!r}"))
         return problems, None
     if ans.events is not None:
@@ -65,7 +67,7 @@ def judge(req: FuzzRequest, ans: Answer, limit: int) -> tuple[list[tuple[str, st
                 problems.append(("stream-error", event[:500]))
         if not ans.done:
             problems.append(("stream-unfinished", f"{len(ans.events)} events, no [DONE]"))
-    elif ans.status < 300 and req.method != "HEAD" and req.route != "/metrics":  # a 3xx: a redirect
+    elif req.method != "HEAD" and req.route != "/metrics":
         try:
             json.loads(ans.body)
         except ValueError:

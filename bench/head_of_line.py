@@ -1,0 +1,89 @@
+"""Head-of-line blocking: how long short requests wait beside a long prompt's chunked prefill.
+
+One server; first, each short request alone (the baseline), then a long prompt (a real
+document of `--long-tokens` tokens, one output token) and, once its prefill is under way,
+the same short requests, one after another. The ratio of their time to first token beside
+the long prefill to the time alone is the figure: 1.0 would be no cost at all, and a
+scheduler that lets a long prefill take every step's budget makes it about the long
+prompt's whole prefill time divided by a short request's.
+
+    python -m bench.head_of_line --model default --dtype float32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+
+from bench.corpus import documents
+from bench.serving import flush_cache, launch_server, load_tokenizer
+from radixserve.kernels import isa
+
+SHORT_PROMPTS = ["Hello", "Name a colour.", "Count to three.", "What is two plus two?", "Say hi.", "One word: yes"]
+
+
+def ttft(client: httpx.Client, text: str, max_new_tokens: int = 1) -> float:
+    """Seconds from sending to the first streamed token."""
+    body = {"text": text, "stream": True, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0}}
+    start = time.perf_counter()
+    with client.stream("POST", "/generate", json=body) as resp:
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                return time.perf_counter() - start
+    raise RuntimeError("the stream ended without a token")
+
+
+def measure(url: str, long_text: str, repeats: int) -> dict[str, object]:
+    with httpx.Client(base_url=url, timeout=600) as client:
+        alone = [ttft(client, p) for _ in range(repeats) for p in SHORT_PROMPTS]
+        flush_cache(url)
+        long_result: dict[str, float] = {}
+
+        def send_long() -> None:
+            with httpx.Client(base_url=url, timeout=600) as c:
+                long_result["ttft"] = ttft(c, long_text)
+
+        thread = threading.Thread(target=send_long)
+        thread.start()
+        time.sleep(0.5)  # its prefill is under way
+        beside = []
+        while thread.is_alive() and len(beside) < len(SHORT_PROMPTS) * repeats:
+            beside.append(ttft(client, SHORT_PROMPTS[len(beside) % len(SHORT_PROMPTS)]))
+        thread.join()
+    return {
+        "short_ttft_alone_s": statistics.median(alone),
+        "short_ttft_beside_long_s": statistics.median(beside) if beside else None,
+        "short_requests_beside_long": len(beside),
+        "long_ttft_s": long_result["ttft"],
+        "ratio": statistics.median(beside) / statistics.median(alone) if beside else None,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--long-tokens", type=int, default=6000)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=Path("bench/results/head_of_line.json"))
+    args = parser.parse_args(argv)
+    long_text = documents(load_tokenizer(args.model), 1, args.long_tokens)[0]
+    with launch_server(args.model, "--dtype", args.dtype) as url:
+        result = measure(url, long_text, args.repeats)
+    result.update(model=args.model, dtype=args.dtype, long_tokens=args.long_tokens, cpu_isa=isa.selected_tier().name)
+    print(json.dumps(result, indent=2))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
