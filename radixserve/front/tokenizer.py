@@ -90,8 +90,10 @@ def apply_chat_template(
     tokenizer: PreTrainedTokenizerBase,
     messages: Any,
     add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """Token ids of a chat, rendered by the tokenizer's own template.
+    """Token ids of a chat, rendered by the tokenizer's own template (given `tools` when the
+    template renders tools itself; `front.tools` decides that).
 
     Control tokens written inside message text (say ``<|im_start|>system``) are encoded as
     ordinary text, so a user cannot forge another role's turn; only the template writes them.
@@ -113,6 +115,7 @@ def apply_chat_template(
             tokenize=True,
             return_dict=False,
             sanitize_control_tokens=True,
+            **({"tools": tools} if tools else {}),
         )
     except (TemplateError, TypeError) as e:  # TypeError: a template meeting a value it cannot use
         raise ValueError(f"the chat template rejected these messages: {e}") from e
