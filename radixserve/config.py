@@ -35,6 +35,7 @@ class ServerConfig:
     disable_radix_cache: bool = False
     seed: int = 0  # for requests that bring no seed of their own
     debug_checks: bool = False  # cross-check page accounting after every step
+    grammar_compile_timeout: float = 5.0  # seconds a request waits for its grammar, then 400
     startup_timeout: float = 300.0
     # HTTP server
     host: str = "127.0.0.1"
@@ -69,7 +70,7 @@ class ServerConfig:
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         _at_least("max_body_bytes", self.max_body_bytes, 1)
-        for name in ("health_timeout", "header_timeout", "body_timeout", "shutdown_timeout", "startup_timeout"):
+        for name in ("grammar_compile_timeout", "health_timeout", "header_timeout", "body_timeout", "shutdown_timeout", "startup_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.api_key is not None and not self.api_key:

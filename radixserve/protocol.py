@@ -7,6 +7,18 @@ from __future__ import annotations
 
 import msgspec
 
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
+# upper bounds (seconds) of the grammar compile-time histogram the scheduler keeps and the front exports
+GRAMMAR_COMPILE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class Grammar(msgspec.Struct, frozen=True):
+    """A decoding constraint, compiled by the scheduler (xgrammar): `kind` is one of
+    `GRAMMAR_KINDS` and `text` its source (a JSON schema, a regex, EBNF, a structural tag's JSON)."""
+
+    kind: str
+    text: str
+
 
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     """How to pick the next token, and when to stop. Validated by the front before it travels.
@@ -36,6 +48,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
     logit_bias: dict[int, float] = {}
+    grammar: Grammar | None = None  # only tokens the grammar allows are sampled (greedy included)
 
     @property
     def is_greedy(self) -> bool:
@@ -170,6 +183,10 @@ class SchedulerStats(msgspec.Struct, tag=True):
     generation_tokens_total: int
     num_retractions_total: int
     last_step_time: float  # time.time() of the last finished forward (0 if none)
+    grammar_compiles_total: int = 0  # grammars compiled (cache misses)
+    grammar_cache_hits_total: int = 0  # grammar requests served by the compiled-grammar cache
+    grammar_compile_buckets: list[int] = []  # cumulative counts per GRAMMAR_COMPILE_BUCKETS bound, then +Inf
+    grammar_compile_seconds_sum: float = 0.0
 
 
 class SchedulerReady(msgspec.Struct, tag=True):
@@ -212,6 +229,9 @@ class Chunk(msgspec.Struct, array_like=True, omit_defaults=True):
     sample: bool  # the chunk ends the request's known tokens: sample the next one
     input_logprobs_from: int = -1  # return logprobs of the chunk's tokens from this offset on
     next_token_id: int = -1  # token after the chunk, target of its last position's input logprob
+    # constrained sampling: the tokens allowed next, one bit per token id (little-endian int32
+    # words, xgrammar's layout); empty = any token
+    token_bitmask: bytes = b""
 
 
 class ForwardBatch(msgspec.Struct, tag=True, omit_defaults=True):

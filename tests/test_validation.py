@@ -18,7 +18,7 @@ from radixserve.front.validation import (
     parse_sampling_params,
     validate_input_ids,
 )
-from radixserve.protocol import SamplingParams
+from radixserve.protocol import Grammar, SamplingParams
 
 VOCAB = 1000
 LIMITS = Limits()
@@ -58,8 +58,8 @@ def test_every_parameter() -> None:
         "no_stop_trim": True,
         "logit_bias": {5: 1.5, 999: -100.0},
     }
-    sp = parse(raw)
-    assert msgspec.structs.asdict(sp) == raw
+    sp = parse({**raw, "regex": "[a-z]+"})
+    assert msgspec.structs.asdict(sp) == {**raw, "grammar": Grammar("regex", "[a-z]+")}
     # what the front builds is what travels: it survives the msgpack round trip unchanged
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(sp), type=SamplingParams) == sp
 
@@ -98,13 +98,11 @@ INVALID = [
     # (sampling_params, param, message)
     ([1, 2], "sampling_params", "sampling_params must be an object, got array"),
     ({"max_tokens": 5}, "max_tokens", "unknown sampling parameter 'max_tokens'"),
-    (
-        {"json_schema": "{}"},
-        "json_schema",
-        "json_schema (constrained decoding) is not supported yet",
-    ),
-    ({"regex": "a+"}, "regex", "regex (constrained decoding) is not supported yet"),
-    ({"ebnf": "root ::= 'a'"}, "ebnf", "ebnf (constrained decoding) is not supported yet"),
+    ({"json_schema": "{}", "regex": "a+"}, "regex", "give at most one constraint of json_schema, regex, ebnf, structural_tag; got json_schema and regex"),
+    ({"json_schema": "{"}, "json_schema", "json_schema is not valid JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
+    ({"structural_tag": "[]"}, "structural_tag", "structural_tag must be a JSON object, got array"),
+    ({"regex": ["a+"]}, "regex", "regex must be a string, got array"),
+    ({"ebnf": "  "}, "ebnf", "ebnf must not be empty"),
     ({"max_new_tokens": True}, "max_new_tokens", "max_new_tokens must be an integer, got boolean"),
     ({"max_new_tokens": "10"}, "max_new_tokens", "max_new_tokens must be an integer, got string"),
     ({"max_new_tokens": 10.0}, "max_new_tokens", "max_new_tokens must be an integer, got number"),

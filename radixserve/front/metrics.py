@@ -14,10 +14,15 @@ from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
-from radixserve.protocol import SchedulerStats
+from radixserve.protocol import GRAMMAR_COMPILE_BUCKETS, SchedulerStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PREFIX = "radixserve_"
@@ -40,6 +45,8 @@ _COUNTERS = (
     ("cached_prompt_tokens", "Prompt tokens found in the prefix cache at admission.", "cached_prompt_tokens_total"),
     ("generation_tokens", "Tokens generated.", "generation_tokens_total"),
     ("num_retractions", "Requests retracted (pages freed, resumed later) when the pool ran out.", "num_retractions_total"),
+    ("grammar_compiles", "Grammars compiled (constrained decoding; cache misses).", "grammar_compiles_total"),
+    ("grammar_cache_hits", "Constrained requests whose grammar came from the compiled-grammar cache.", "grammar_cache_hits_total"),
 )
 
 
@@ -64,6 +71,12 @@ class _SchedulerCollector(Collector):
         )
         for name, doc, attr in _COUNTERS:
             yield CounterMetricFamily(PREFIX + name, doc, value=getattr(stats, attr))
+        counts = stats.grammar_compile_buckets or [0] * (len(GRAMMAR_COMPILE_BUCKETS) + 1)
+        bounds = [str(b) for b in GRAMMAR_COMPILE_BUCKETS] + ["+Inf"]
+        yield HistogramMetricFamily(
+            PREFIX + "grammar_compile_seconds", "Time to compile one grammar (on the scheduler's compile threads).",
+            buckets=list(zip(bounds, counts, strict=True)), sum_value=stats.grammar_compile_seconds_sum,
+        )
 
 
 class ServerMetrics:

@@ -8,21 +8,21 @@ errors. ``None`` for any sampling parameter means "use the default", as OpenAI c
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
-from radixserve.protocol import SamplingParams
+from radixserve.protocol import GRAMMAR_KINDS, Grammar, SamplingParams
 
 MAX_SEED = 2**63 - 1
 _DEFAULTS = SamplingParams()
-_KNOWN = frozenset(SamplingParams.__struct_fields__)
+# the keys a client may give; `grammar` is built from one of GRAMMAR_KINDS, never given
+_KNOWN = frozenset(SamplingParams.__struct_fields__) - {"grammar"}
 # SGLang sampling keys we cannot honour yet: accepted only when null
 _UNSUPPORTED = {
-    "json_schema": "constrained decoding", "regex": "constrained decoding",
-    "ebnf": "constrained decoding", "structural_tag": "constrained decoding",
     "stop_regex": "stop regexes", "beam_width": "beam search",
     "custom_params": "custom logit processors", "watermark": "watermarking",
 }
@@ -83,6 +83,7 @@ class Limits:
     # characters of one prompt text, checked before it is tokenized; the server derives it from
     # the context length and the tokenizer (`tokenizer.prompt_char_limit`). None: no bound
     max_prompt_chars: int | None = None
+    max_grammar_chars: int = 131072  # a json_schema, regex, ebnf or structural_tag's source
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -130,7 +131,41 @@ def parse_sampling_params(
             if type(given[key]) is not bool:
                 raise InvalidRequest(f"{key} must be a boolean, got {_json_type(given[key])}", key)
             out[key] = given[key]
+    grammar = _grammar(raw or {}, limits)
+    if grammar is not None:
+        out["grammar"] = grammar
     return SamplingParams(**out)
+
+
+def _grammar(raw: Mapping[str, Any], limits: Limits) -> Grammar | None:
+    """At most one of `json_schema`, `regex`, `ebnf`, `structural_tag` (as SGLang allows): its
+    source as text. Only what is cheap is checked here (type, size, JSON syntax); the scheduler
+    compiles it and refuses what xgrammar cannot compile, with xgrammar's message."""
+    given = [k for k in GRAMMAR_KINDS if raw.get(k) is not None]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise InvalidRequest(
+            f"give at most one constraint of {', '.join(GRAMMAR_KINDS)}; got {' and '.join(given)}", given[1],
+        )
+    kind = given[0]
+    value = raw[kind]
+    if isinstance(value, dict) and kind in ("json_schema", "structural_tag"):
+        value = json.dumps(value)  # an object is taken as the JSON it spells
+    if not isinstance(value, str):
+        raise InvalidRequest(f"{kind} must be a string, got {_json_type(value)}", kind)
+    if not value.strip():
+        raise InvalidRequest(f"{kind} must not be empty", kind)
+    if len(value) > limits.max_grammar_chars:
+        raise InvalidRequest(f"{kind} has {len(value)} characters; at most {limits.max_grammar_chars}", kind)
+    if kind in ("json_schema", "structural_tag"):
+        try:
+            parsed = json.loads(value)
+        except ValueError as exc:
+            raise InvalidRequest(f"{kind} is not valid JSON: {exc}", kind) from None
+        if not isinstance(parsed, (dict, bool)) or (kind == "structural_tag" and not isinstance(parsed, dict)):
+            raise InvalidRequest(f"{kind} must be a JSON object, got {_json_type(parsed)}", kind)
+    return Grammar(kind, value)
 
 
 def _known_keys(raw: Any) -> dict[str, Any]:
@@ -148,7 +183,7 @@ def _known_keys(raw: Any) -> dict[str, Any]:
         elif key in _ACCEPTED_NO_EFFECT:
             if value is not None and type(value) is not int:
                 raise InvalidRequest(f"{key} must be an integer, got {_json_type(value)}", key)
-        elif key not in _KNOWN and key != "sampling_seed":
+        elif key not in _KNOWN and key != "sampling_seed" and key not in GRAMMAR_KINDS:
             raise InvalidRequest(f"unknown sampling parameter {key!r}", str(key))
     given = {k: v for k, v in raw.items() if v is not None and k in _KNOWN}
     if raw.get("sampling_seed") is not None:  # SGLang's name for the per-request seed

@@ -21,6 +21,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
@@ -40,6 +41,7 @@ from radixserve.protocol import (
     TokenizedRequest,
     WorkerReady,
 )
+from radixserve.scheduler.grammar import GrammarCompiler, GrammarError
 from radixserve.scheduler.kv import KVManager, pages_for
 from radixserve.scheduler.policy import order_waiting, shares_uncached_prefix
 from radixserve.scheduler.request import Request
@@ -69,6 +71,7 @@ class Scheduler:
         config: ServerConfig,
         ready: WorkerReady,
         stop_checker_factory: Callable[[Request], StopChecker | None],
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         self.config = config
         self.page_size = ready.page_size
@@ -85,6 +88,8 @@ class Scheduler:
         self.last_step_time = 0.0
         self._arrivals = 0
         self._make_stop_checker = stop_checker_factory
+        self.grammars = grammars
+        self._bitmask: Any = None  # one row, refilled for each constrained chunk that samples
         self._stop_checkers: dict[str, StopChecker] = {}
         # submissions whose sample 0 has not yet sent the prompt's logprobs: their other samples
         # wait, then take the prompt from the cache instead of computing it (and its logprobs) again
@@ -93,6 +98,7 @@ class Scheduler:
         self._in_flight_keys: set[str] = set()
         self._finished_keys: list[str] = []
         self.outputs: list[RequestOutput] = []
+        self.rejections: list[RequestRejected] = []  # refused after queueing (a bad grammar)
 
     # ------------------------------------------------------------------ requests in
 
@@ -106,6 +112,11 @@ class Scheduler:
                 f"the prompt ({len(msg.input_ids)} tokens) does not fit in the KV pool "
                 f"({self.kv.total_pages * self.page_size} tokens)",
             )
+        pending = None
+        if msg.sampling.grammar is not None:
+            if self.grammars is None:
+                return RequestRejected(msg.rid, "constrained decoding is not available in this server")
+            pending = self.grammars.compile(msg.sampling.grammar)  # never blocks; admission waits
         prompt_logprobs = msg.return_logprob and 0 <= msg.logprob_start_len < len(msg.input_ids)
         if prompt_logprobs and n > 1:
             self._prompt_logprobs_pending.add(msg.rid)
@@ -120,7 +131,7 @@ class Scheduler:
                 return_logprob=msg.return_logprob,
                 # the prompt's logprobs are computed once, by sample 0, and shared by the front
                 logprob_start_len=msg.logprob_start_len if i == 0 else -1,
-                top_logprobs_num=msg.top_logprobs_num,
+                top_logprobs_num=msg.top_logprobs_num, grammar_wait=pending,
             )
             self._arrivals += 1
             checker = self._make_stop_checker(req)
@@ -133,6 +144,8 @@ class Scheduler:
         """End every sample of the submission `rid`; an id that is no longer live is ignored."""
         for req in [r for r in self.waiting if r.rid == rid]:
             self.waiting.remove(req)
+            if req.grammar_wait is not None and self.grammars is not None:
+                self.grammars.give_up(req.grammar_wait)
             self._finish(req, FinishReason("abort", message="aborted"))
         for req in self.running:
             if req.rid == rid:
@@ -158,11 +171,53 @@ class Scheduler:
             generation_tokens_total=self.counters.generation_tokens,
             num_retractions_total=self.counters.retractions,
             last_step_time=self.last_step_time,
+            **self._grammar_stats(),
         )
+
+    def _grammar_stats(self) -> dict[str, Any]:
+        if self.grammars is None:
+            return {}
+        c = self.grammars.counters
+        return {
+            "grammar_compiles_total": c.compiles, "grammar_cache_hits_total": c.cache_hits,
+            "grammar_compile_buckets": list(c.buckets), "grammar_compile_seconds_sum": c.seconds_sum,
+        }
 
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @property
+    def only_compiling(self) -> bool:
+        """Nothing to step but requests whose grammars compile: the loop may wait a little."""
+        return not self.running and all(r.grammar_wait is not None for r in self.waiting)
+
+    def _resolve_grammars(self) -> None:
+        """Give waiting samples whose grammar has compiled their matchers; refuse the requests
+        whose grammar failed or timed out (a 400 for the client, nothing more)."""
+        for req in [r for r in self.waiting if r.grammar_wait is not None]:
+            if req.finish is not None:
+                continue
+            try:
+                compiled = req.grammar_wait.compiled(self.grammars.timeout, self.grammars.ready_at)
+            except GrammarError as exc:
+                self._refuse(req.rid, str(exc))
+                continue
+            if compiled is not None:
+                req.matcher = self.grammars.matcher(compiled)
+                req.grammar_wait = None
+
+    def _refuse(self, rid: int, message: str) -> None:
+        """Drop every sample of a queued submission and tell the front why (no output: none
+        of its samples was admitted, since all wait for the same grammar)."""
+        for req in [r for r in self.waiting if r.rid == rid]:
+            self.waiting.remove(req)
+            if req.grammar_wait is not None:
+                self.grammars.give_up(req.grammar_wait)
+            req.finish = FinishReason("abort", message=message)
+            self._stop_checkers.pop(req.key, None)
+        self._prompt_logprobs_pending.discard(rid)
+        self.rejections.append(RequestRejected(rid, message))
 
     # ------------------------------------------------------------------ one step
 
@@ -170,6 +225,8 @@ class Scheduler:
         for req in [r for r in self.running if r.abort_requested]:
             self._finish(req, FinishReason("abort", message="aborted"))
         self._in_flight, self._in_flight_keys = [], set()
+        if self.grammars is not None:
+            self._resolve_grammars()
         self._schedule_decodes()
         if self.waiting:
             self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
@@ -262,6 +319,8 @@ class Scheduler:
         for req in order_waiting(self.waiting, self.config.schedule_policy, self.kv.cache):
             if budget <= 0 or not self.kv.has_free_row or len(self.running) >= self.config.max_running_requests:
                 break
+            if req.grammar_wait is not None:
+                continue  # its grammar compiles; the others need not wait for it
             cached = self.kv.cache.peek_prefix_length(req.fill_ids[: req.match_limit], req.namespace)
             if self._should_wait_for_prefill(req, cached):
                 continue
@@ -347,6 +406,11 @@ class Scheduler:
         fill = req.fill_ids
         sample = end == req.fill_len and req.sampling.max_new_tokens > len(req.output_ids)
         chunk = Chunk(rid=req.key, row=req.row, prefix_len=start, token_ids=fill[start:end], sample=sample)
+        if sample and req.matcher is not None:
+            if self._bitmask is None:
+                self._bitmask = self.grammars.new_bitmask()
+            req.matcher.fill_next_token_bitmask(self._bitmask)
+            chunk.token_bitmask = self._bitmask.numpy().tobytes()
         if req.wants_input_logprobs:
             first = max(req.logprob_start_len, 1) - 1  # logits at position p score token p + 1
             last = min(end, len(req.input_ids) - 1)  # exclusive: position L-1 scores the output
@@ -387,7 +451,11 @@ class Scheduler:
         if req.wants_input_logprobs:
             req.input_logprobs_done = True
         new_tokens = [token]  # one output, one stop-checker `add`: the front adds the same group
-        finish = self._stop_reason(req, new_tokens)
+        if req.matcher is not None and not req.matcher.accept_token(token):
+            # the worker masked the logits with this matcher's bitmask: only a bug gets here
+            finish = FinishReason("abort", message=f"token {token} broke the request's grammar")
+        else:
+            finish = self._stop_reason(req, new_tokens)
         out = self._output(req, new_tokens, finish)
         if req.return_logprob:
             out.output_logprobs = [res.logprob]
@@ -407,6 +475,8 @@ class Scheduler:
         token = new_tokens[-1]
         n_out = len(req.output_ids)
         checker = self._stop_checkers.get(req.key)
+        if req.matcher is not None and req.matcher.is_terminated():
+            return FinishReason("stop", matched=token)  # the grammar ended (on an EOS id): nothing may follow
         if n_out >= p.min_new_tokens:
             if token in p.stop_token_ids:
                 return FinishReason("stop", matched=token)

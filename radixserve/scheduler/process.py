@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 
 from radixserve.config import ServerConfig
 from radixserve.ipc import Endpoints, Receiver, Sender, start_child
@@ -22,12 +23,14 @@ from radixserve.protocol import (
     WorkerToScheduler,
 )
 from radixserve.scheduler.core import Scheduler
+from radixserve.scheduler.grammar import GrammarCompiler, import_xgrammar
 from radixserve.scheduler.request import Request
 from radixserve.scheduler.stop import StopChecker
 
 log = logging.getLogger("radixserve.scheduler")
 
 IDLE_POLL_MS = 50
+GRAMMAR_POLL_MS = 2  # only requests whose grammars compile wait: look again soon, but do not spin
 
 
 class WorkerDied(RuntimeError):
@@ -41,11 +44,16 @@ def run_scheduler(config: ServerConfig, endpoints: Endpoints) -> None:
     from_worker: Receiver = Receiver(ctx, endpoints.worker_to_scheduler, bind=True, msg_type=WorkerToScheduler)
     to_worker = Sender(ctx, endpoints.scheduler_to_worker, bind=False)
 
+    threading.Thread(target=import_xgrammar, name="import-xgrammar", daemon=True).start()
     ready = from_worker.recv()
     if not isinstance(ready, WorkerReady):
         log.error("%s", getattr(ready, "message", f"unexpected first message {ready!r}"))
         raise SystemExit(1)
-    scheduler = Scheduler(config, ready, _stop_checker_factory(ready.model_path))
+    tokenizer = _LazyTokenizer(ready.model_path)
+    grammars = GrammarCompiler(
+        tokenizer.get, ready.vocab_size, ready.eos_token_ids, timeout=config.grammar_compile_timeout,
+    )
+    scheduler = Scheduler(config, ready, _stop_checker_factory(tokenizer), grammars)
     to_front.send(SchedulerReady(**{f: getattr(ready, f) for f in WorkerReady.__struct_fields__}))
 
     def forward(batch: ForwardBatch) -> ForwardResult:
@@ -57,7 +65,8 @@ def run_scheduler(config: ServerConfig, endpoints: Endpoints) -> None:
 
     try:
         while True:
-            msg = from_front.recv(timeout_ms=0 if scheduler.has_work else IDLE_POLL_MS)
+            wait_ms = IDLE_POLL_MS if not scheduler.has_work else GRAMMAR_POLL_MS if scheduler.only_compiling else 0
+            msg = from_front.recv(timeout_ms=wait_ms)
             while msg is not None:
                 if isinstance(msg, Shutdown):
                     return
@@ -70,12 +79,17 @@ def run_scheduler(config: ServerConfig, endpoints: Endpoints) -> None:
                 cleanup = scheduler.pending_worker_cleanup()
                 if cleanup is not None:
                     forward(cleanup)
+            for rejected in scheduler.rejections:
+                to_front.send(rejected)
+            scheduler.rejections = []
             if scheduler.outputs:
                 to_front.send(TokenBatchOut(scheduler.outputs))
                 scheduler.outputs = []
     except WorkerDied as exc:
         log.error("worker failed: %s", exc)
         raise SystemExit(1) from exc
+    finally:
+        grammars.shutdown()
 
 
 def _handle(scheduler: Scheduler, msg: object, to_front: Sender) -> None:
@@ -91,18 +105,28 @@ def _handle(scheduler: Scheduler, msg: object, to_front: Sender) -> None:
         to_front.send(scheduler.stats(msg.req_id))
 
 
-def _stop_checker_factory(model_path: str):
-    """Stop strings need the tokenizer; load it only when a request first has some."""
-    tokenizer = None
+class _LazyTokenizer:
+    """Stop strings and grammars need the tokenizer; it is loaded when one first does (from a
+    grammar compile thread too, hence the lock)."""
 
+    def __init__(self, model_path: str) -> None:
+        self._model_path = model_path
+        self._tokenizer = None
+        self._lock = threading.Lock()
+
+    def get(self):
+        with self._lock:
+            if self._tokenizer is None:
+                from radixserve.front.tokenizer import load_tokenizer
+
+                self._tokenizer = load_tokenizer(self._model_path)
+            return self._tokenizer
+
+
+def _stop_checker_factory(tokenizer: _LazyTokenizer):
     def make(req: Request) -> StopChecker | None:
-        nonlocal tokenizer
         if not req.sampling.stop:
             return None
-        if tokenizer is None:
-            from radixserve.front.tokenizer import load_tokenizer
-
-            tokenizer = load_tokenizer(model_path)
-        return StopChecker(tokenizer, req.sampling, req.input_ids)
+        return StopChecker(tokenizer.get(), req.sampling, req.input_ids)
 
     return make

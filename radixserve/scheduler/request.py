@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from radixserve.cache.base import TreeNode
 from radixserve.protocol import FinishReason, SamplingParams
@@ -35,6 +36,10 @@ class Request:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     output_ids: list[int] = field(default_factory=list)
+    # constrained decoding: the compile this sample waits for, then its own matcher (an
+    # xgrammar GrammarMatcher that has accepted every output token; it survives retraction)
+    grammar_wait: Any = None  # scheduler.grammar.PendingGrammar while compiling
+    matcher: Any = None
     # KV state, valid while running
     row: int | None = None
     pages: list[int] = field(default_factory=list)

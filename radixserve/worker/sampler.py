@@ -59,6 +59,30 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, top_n: list[in
     return TokenLogprobs(chosen, top)
 
 
+_BIT_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+def apply_token_bitmasks(logits: torch.Tensor, bitmasks: list[bytes]) -> torch.Tensor:
+    """Set to -inf, in place, the logits of tokens a row's bitmask leaves out (bit `t % 32` of
+    little-endian int32 word `t // 32` set = token t allowed; xgrammar's layout). Rows with an
+    empty bitmask are left alone; token ids past the bitmask's end are never allowed."""
+    rows = [i for i, b in enumerate(bitmasks) if b]
+    if not rows:
+        return logits
+    device = logits.device
+    shifts = _BIT_SHIFTS.get(device)
+    if shifts is None:
+        shifts = _BIT_SHIFTS[device] = torch.arange(32, dtype=torch.int32, device=device)
+    words = torch.stack([torch.frombuffer(bytearray(bitmasks[i]), dtype=torch.int32) for i in rows]).to(device)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)  # [rows, words * 32]
+    vocab = logits.shape[1]
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    index = torch.tensor(rows, device=device)
+    logits[index] = logits[index].masked_fill(~allowed[:, :vocab], float("-inf"))
+    return logits
+
+
 class Sampler:
     """Samples one token per row of logits, each row with its own request's settings."""
 
@@ -71,10 +95,19 @@ class Sampler:
         self._shared_generator.manual_seed(seed)
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, states: list[SamplingState]) -> SampleOutput:
-        """logits: [B, V] for B requests in `states`' order. Returns one token id per request."""
+    def sample(
+        self, logits: torch.Tensor, states: list[SamplingState], bitmasks: list[bytes] | None = None,
+    ) -> SampleOutput:
+        """logits: [B, V] for B requests in `states`' order. Returns one token id per request.
+
+        `bitmasks[i]`, when not empty, allows only the tokens whose bit is set in row i (a
+        grammar's next tokens, from the scheduler): the rest get -inf after penalties and bias,
+        before greedy or sampled choice. Logprobs stay those of the model's distribution.
+        """
         raw = logits.float()
         logits = self._apply_penalties(raw, states)
+        if bitmasks is not None and any(bitmasks):
+            logits = apply_token_bitmasks(logits if logits is not raw else raw.clone(), bitmasks)
         greedy = [s.params.is_greedy for s in states]
         # max().indices: the same first-maximum index as argmax, about twice as fast on the CPU
         next_ids = logits.max(dim=-1).indices  # [B]

@@ -117,7 +117,8 @@ class Worker:
         sampling = [i for i, c in enumerate(batch.chunks) if c.sample]
         if sampling:
             states = [self.states[batch.chunks[i].rid] for i in sampling]
-            sampled = self.sampler.sample(out.last_logits[sampling], states)
+            bitmasks = [batch.chunks[i].token_bitmask for i in sampling]
+            sampled = self.sampler.sample(out.last_logits[sampling], states, bitmasks)
             for k, i in enumerate(sampling):
                 token = sampled.token_ids[k]
                 states[k].output_ids.append(token)
