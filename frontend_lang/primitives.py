@@ -10,7 +10,8 @@ These are plain descriptions; `ProgramState` executes them in order (see state.p
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,21 +105,31 @@ def gen(
     top_p: float | None = None,
     top_k: int | None = None,
     n: int | None = None,
+    regex: str | None = None,
+    json_schema: str | Mapping[str, Any] | None = None,
     **sampling: Any,
 ) -> Gen:
     """Generate and append the output; `s[name]` reads it.
 
     Keywords are the runtime's sampling parameters with `max_tokens` for `max_new_tokens`
     (also `min_tokens`, `stop_token_ids`, `min_p`, `frequency_penalty`, `presence_penalty`,
-    `repetition_penalty`, `ignore_eos`, `seed`). Unset ones come from the program's
-    `default_sampling`, then the runtime's defaults. With `n > 1`, `s[name]` is a list of `n`
-    samples and nothing is appended to the text (fork to continue from each).
+    `repetition_penalty`, `ignore_eos`, `seed`, `ebnf`, `structural_tag`). Unset ones come from
+    the program's `default_sampling`, then the runtime's defaults. With `n > 1`, `s[name]` is a
+    list of `n` samples and nothing is appended to the text (fork to continue from each).
+
+    `regex` or `json_schema` (a schema as a dict or as JSON text) constrain the output, as
+    SGLang's `sgl.gen(regex=...)`: the runtime only samples tokens the grammar allows, so the
+    output matches the regex, or parses as JSON valid under the schema (unless `max_tokens`
+    cuts it short).
     """
     if isinstance(stop, str):
         stop = [stop]
+    if json_schema is not None and not isinstance(json_schema, str):
+        json_schema = json.dumps(json_schema)
     params = sampling_params(
         max_tokens=max_tokens, stop=list(stop) if stop is not None else None,
-        temperature=temperature, top_p=top_p, top_k=top_k, n=n, **sampling,
+        temperature=temperature, top_p=top_p, top_k=top_k, n=n, regex=regex, json_schema=json_schema,
+        **sampling,
     )
     return Gen(name=name, sampling=params)
 

@@ -9,6 +9,8 @@ runtime's own /generate call, bypassing frontend_lang, for "the same as doing it
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -113,6 +115,25 @@ def test_gen_at_temperature_0_equals_generate(backend, oracle):
     # the second call extends the first call's prompt: its prefix comes from the cache
     assert state.meta_info("more")["cached_tokens"] >= len(backend_tokens(oracle, prompt)) // PAGE_SIZE * PAGE_SIZE
     assert state.cache_stats().calls == 2
+
+
+def test_gen_with_a_regex_or_a_json_schema_is_constrained(backend):
+    """sgl.gen(regex=...) and json_schema=...: the tiny model's noise, made to fit."""
+    schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+              "required": ["city", "days"]}
+
+    @fl.function
+    def plan(s):
+        s += "Trip code: "
+        s += fl.gen("code", max_tokens=16, temperature=0.8, seed=1, regex=r"[A-Z]{2}-[0-9]{3}")
+        s += "\nPlan: "
+        s += fl.gen("plan", max_tokens=48, temperature=0.8, seed=2, json_schema=schema)
+
+    state = plan.run(backend=backend)
+    assert re.fullmatch(r"[A-Z]{2}-[0-9]{3}", state["code"]), state["code"]
+    parsed = json.loads(state["plan"])
+    assert parsed["city"] in ("Paris", "Rome") and 1 <= parsed["days"] <= 9, parsed
+    assert state.text() == f"Trip code: {state['code']}\nPlan: {state['plan']}"
 
 
 def backend_tokens(oracle: Callable[[dict[str, Any]], Any], text: str) -> list[int]:

@@ -25,6 +25,7 @@ from test_frontend_lang import (  # noqa: F401 - collected again, here against t
     test_errors_from_the_runtime_are_exceptions_with_its_message,
     test_fork_sends_the_prefix_once_and_every_branch_hits_it,
     test_gen_at_temperature_0_equals_generate,
+    test_gen_with_a_regex_or_a_json_schema_is_constrained,
     test_n_samples_inside_a_program,
     test_roles_render_with_the_models_chat_template,
     test_run_batch_keeps_order_and_a_failure_loses_nothing_else,
