@@ -31,6 +31,7 @@ from radixserve.config import (
     DTYPES,
     LOG_LEVELS,
     POLICIES,
+    TOOL_CALL_PARSERS,
     ServerConfig,
 )
 
@@ -70,11 +71,14 @@ HELP = {
     "body_timeout": "seconds a client has to send a request's body once its headers are in; a "
     "slower one gets 408 and the connection is closed",
     "shutdown_timeout": "on SIGINT/SIGTERM, seconds in-flight requests get to finish",
+    "tool_call_parser": "the format the model writes tool calls in (/v1/chat/completions with tools): "
+    "hermes (qwen is the same) or llama3; auto picks llama3 for a chat template that mentions "
+    "<|python_tag|> or ipython, else hermes",
     "log_level": "logging level of every process",
 }
 _CHOICES = {
     "dtype": DTYPES, "device": DEVICES, "attention_backend": ATTENTION_BACKENDS,
-    "schedule_policy": POLICIES, "log_level": LOG_LEVELS,
+    "schedule_policy": POLICIES, "log_level": LOG_LEVELS, "tool_call_parser": TOOL_CALL_PARSERS,
 }
 
 

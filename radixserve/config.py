@@ -13,6 +13,7 @@ DEVICES = ("auto", "cpu", "cuda")
 POLICIES = ("lpm", "fcfs")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 ATTENTION_BACKENDS = ("auto", "flashinfer", "torch_native")
+TOOL_CALL_PARSERS = ("auto", "hermes", "qwen", "llama3")  # front/tool_calls.py owns the formats
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class ServerConfig:
     header_timeout: float = 10.0  # seconds a client has to send a request's head (else closed)
     body_timeout: float = 60.0  # seconds a client has to send a request's body (else 408, closed)
     shutdown_timeout: float = 10.0  # on SIGINT/SIGTERM: seconds to let in-flight requests finish
+    tool_call_parser: str = "auto"  # how the model writes tool calls; auto: from its chat template
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -57,6 +59,7 @@ class ServerConfig:
             raise ValueError("attention_backend 'flashinfer' needs CUDA; use device cuda or auto, or attention_backend torch_native")
         _choice("schedule_policy", self.schedule_policy, POLICIES)
         _choice("log_level", self.log_level, LOG_LEVELS)
+        _choice("tool_call_parser", self.tool_call_parser, TOOL_CALL_PARSERS)
         _at_least("page_size", self.page_size, 1)
         _at_least("chunk_size", self.chunk_size, 1)
         _at_least("max_running_requests", self.max_running_requests, 1)

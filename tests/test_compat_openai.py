@@ -5,6 +5,7 @@ See docs/compatibility.md for the field table."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import openai
@@ -132,13 +133,22 @@ def test_vllm_sglang_extensions_in_the_body(client):
     assert out.usage.completion_tokens == 10
 
 
-def test_response_format_and_constrained_fields_are_400(client):
-    for body in ({"response_format": {"type": "json_object"}}, {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}):
-        with pytest.raises(openai.BadRequestError) as err:
-            client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, **body)
-        assert "not supported yet" in err.value.message
+def test_response_format_json_and_text(client):
+    out = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=200, seed=1, response_format={"type": "json_object"},
+    )
+    assert isinstance(json.loads(out.choices[0].message.content), dict)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    out = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=200,
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+    )
+    assert isinstance(json.loads(out.choices[0].message.content)["ok"], bool)
     text = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, response_format={"type": "text"})
     assert text.choices[0].message.role == "assistant"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, response_format={"type": "xml"})
+    assert err.value.body["param"] == "response_format"
 
 
 def test_unknown_fields_ignored_wrong_types_rejected(client, server):

@@ -103,7 +103,9 @@ CASES = {
     "completions logprobs boolean": (*_cmpl(logprobs=True), 400, "logprobs"),
     "completions unknown model": (*_cmpl(model="gpt-4"), 404, "does not exist"),
     "completions n too large": (*_cmpl(n=100), 400, "n"),
-    "completions json_schema": (*_cmpl(json_schema="{}"), 400, "not supported"),
+    "completions json_schema not a string": (*_cmpl(json_schema=5), 400, "json_schema"),
+    "completions two constraints": (*_cmpl(regex="a", ebnf='root ::= "a"'), 400, "at most one"),
+    "completions response_format type": (*_cmpl(response_format={"type": "yaml"}), 400, "response_format"),
     "completions suffix": (*_cmpl(suffix="end"), 400, "suffix"),
     "completions best_of": (*_cmpl(best_of=5), 400, "best_of"),
     "completions logit_bias out of range": (*_cmpl(logit_bias={"1": 500}), 400, "logit_bias"),
@@ -122,8 +124,15 @@ CASES = {
     "chat image part": (*_chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), 400, "text"),
     "chat top_logprobs without logprobs": (*_chat(top_logprobs=2), 400, "logprobs"),
     "chat logprobs a string": (*_chat(logprobs="true"), 400, "logprobs"),
-    "chat tools": (*_chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "not supported"),
-    "chat response_format json": (*_chat(response_format={"type": "json_schema", "json_schema": {}}), 400, "not supported"),
+    "chat tool name with a space": (*_chat(tools=[{"type": "function", "function": {"name": "f g"}}]), 400, "tools"),
+    "chat tool_choice unknown function": (
+        *_chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice={"type": "function", "function": {"name": "g"}}),
+        400, "not in `tools`"),
+    "chat functions": (*_chat(functions=[{"name": "f"}]), 400, "use `tools`"),
+    "chat response_format json_schema without a name": (*_chat(response_format={"type": "json_schema", "json_schema": {}}), 400, "name"),
+    "chat required tool_choice and a response_format": (
+        *_chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required", response_format={"type": "json_object"}),
+        400, "cannot be combined"),
     "chat max_completion_tokens string": (*_chat(max_completion_tokens="many"), 400, "max_completion_tokens"),
     # the prose says "prompt" (the rendered conversation), the param names the client's field
     "chat longer than the context": (*_chat(messages=[{"role": "user", "content": "hi " * 3000}]), 400, "the prompt has"),

@@ -184,7 +184,7 @@ def test_errors_have_openai_shape(client, server):
         client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
     assert err.value.status_code == 404 and err.value.code == "model_not_found"
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], response_format={"type": "json_object"})
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, suffix="end")
     assert "not supported yet" in err.value.message and err.value.body["type"] == "invalid_request_error"
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=MODEL, prompt="hi", max_tokens=10**9)

@@ -7,9 +7,12 @@ messages are shared), then results are shaped as OpenAI's objects: ids `cmpl-...
 
 Accepted beyond OpenAI's fields (vLLM/SGLang extensions): top_k, min_p, repetition_penalty,
 stop_token_ids, ignore_eos, skip_special_tokens, spaces_between_special_tokens, no_stop_trim,
-min_tokens, cache_salt, add_generation_prompt (chat). `logit_bias` really biases sampling
-(greedy included). Unknown top-level fields are ignored as
-OpenAI does; known fields with a wrong type, and constrained decoding, are 400s.
+min_tokens, cache_salt, add_generation_prompt (chat), and the constraint keys of
+`front.constraints`. `logit_bias` really biases sampling (greedy included). Unknown top-level
+fields are ignored as OpenAI does; known fields with a wrong type are 400s.
+
+Tool calling (chat): `front.tools` checks the request and renders the prompt, `front.tool_calls`
+reads the calls out of each choice's text, here and while streaming (`delta.tool_calls`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from radixserve.front.constraints import Constraint, body_constraint
 from radixserve.front.http_common import (
     SSE_DONE,
     JSONResponse,
@@ -36,9 +40,26 @@ from radixserve.front.http_common import (
     until_disconnect,
 )
 from radixserve.front.inputs import build_requests
-from radixserve.front.manager import GenerateRequest
+from radixserve.front.manager import GenerateRequest, RequestFailed
 from radixserve.front.serving import ServerState
-from radixserve.front.tokenizer import apply_chat_template, normalize_messages, text_chars
+from radixserve.front.tokenizer import normalize_messages, text_chars
+from radixserve.front.tool_calls import (
+    ArgumentsDelta,
+    CallStarted,
+    ContentDelta,
+    Event,
+    ToolCallFormat,
+    ToolCallParser,
+    parse_tool_calls,
+    resolve_format,
+)
+from radixserve.front.tools import (
+    ToolRequest,
+    parse_tool_request,
+    prompt_chars,
+    render_chat,
+    structural_tag,
+)
 from radixserve.front.validation import InvalidRequest, check_prompt_chars
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
@@ -53,10 +74,6 @@ _SAMPLING_KEYS = {
     "spaces_between_special_tokens": "spaces_between_special_tokens", "min_tokens": "min_new_tokens",
     "logit_bias": "logit_bias",
 }
-_CONSTRAINED = (
-    "json_schema", "regex", "ebnf", "guided_json", "guided_regex", "guided_choice",
-    "guided_grammar", "structural_tag",
-)
 
 
 @dataclass
@@ -72,6 +89,9 @@ class _Call:
     logprobs: bool = False
     top_logprobs: int = 0
     echo: list[str] | None = None  # completions with echo: each prompt's text
+    tool_format: ToolCallFormat | None = None  # chat with tools to call: how calls are written
+    tool_names: frozenset[str] = frozenset()
+    constraint: Constraint | None = None  # the decoding constraint, for naming it in errors
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -110,13 +130,24 @@ async def chat_completions(request: Request) -> Response:
 
 
 async def _serve(request: Request, state: ServerState, call: _Call) -> Response:
-    if call.stream:
-        results = state.results(call.requests)
-        first = await until_disconnect(request, anext(results))  # a full queue is still a 503
-        return SSEResponse(_events(call, results, first))
-    finals = await until_disconnect(request, state.collect(call.requests))
+    try:
+        if call.stream:
+            results = state.results(call.requests)
+            first = await until_disconnect(request, anext(results))  # a full queue is still a 503
+            return SSEResponse(_events(call, results, first))
+        finals = await until_disconnect(request, state.collect(call.requests))
+    except RequestFailed as exc:
+        raise _grammar_refused(call, exc) from None
     choices = [_choice(call, pos, out) for pos, out in enumerate(finals)]
     return JSONResponse(call.envelope(choices=choices, usage=_usage(call, finals)))
+
+
+def _grammar_refused(call: _Call, exc: RequestFailed) -> Exception:
+    """A constraint the scheduler could not compile (the only refusal of a request, other than a
+    full queue, that comes before any output) names the client's field, not our sampling key."""
+    if exc.retryable or call.constraint is None:
+        return exc
+    return _renamed(InvalidRequest(exc.message, param=call.constraint.kind), {call.constraint.kind: call.constraint.source})
 
 
 # ---------------------------------------------------------------------- parsing
@@ -133,7 +164,9 @@ def _parse_completion(state: ServerState, body: dict[str, Any]) -> _Call:
     echo = _opt_bool(body, "echo")
     sampling = _sampling(body, "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)
     renames = {"max_new_tokens": "max_tokens", "top_logprobs_num": "logprobs", "input_ids": "prompt", "text": "prompt"}
-    call = _Call(chat=False, id=f"cmpl-{uuid.uuid4().hex}", model=state.model_name, requests=[])
+    constraint = body_constraint(body)
+    _constrain(sampling, renames, constraint)
+    call = _Call(chat=False, id=f"cmpl-{uuid.uuid4().hex}", model=state.model_name, requests=[], constraint=constraint)
     call.requests = _build(
         state, body, call.id, renames, text=text, input_ids=input_ids, sampling=sampling,
         logprobs=top is not None, top=top or 0, start=0 if echo and top is not None else None,
@@ -151,14 +184,15 @@ def _parse_chat(state: ServerState, body: dict[str, Any]) -> _Call:
     changes nothing. The conversation's length is checked before the template is rendered."""
     state.check_model(body.get("model"))
     _reject_unsupported(body)
-    for key in ("tools", "functions"):
-        if body.get(key):
-            raise InvalidRequest(f"`{key}` (tool calling) is not supported yet", param=key)
     add_generation_prompt = _opt_bool(body, "add_generation_prompt", default=True)
+    tools = parse_tool_request(body)
+    fmt = resolve_format(state.config.tool_call_parser, _template_text(state.tokenizer))
+    constraint = _tool_constraint(tools, fmt, body_constraint(body))
     try:
         chat = normalize_messages(body.get("messages"))
-        check_prompt_chars(text_chars(chat), state.limits, state.ready.context_len, "`messages`", "messages")
-        ids = apply_chat_template(state.tokenizer, chat, add_generation_prompt)
+        chars = text_chars(chat) + prompt_chars(chat, tools)
+        check_prompt_chars(chars, state.limits, state.ready.context_len, "`messages`", "messages")
+        ids = render_chat(state.tokenizer, chat, tools, fmt, add_generation_prompt)
     except InvalidRequest:
         raise
     except ValueError as exc:
@@ -171,11 +205,44 @@ def _parse_chat(state: ServerState, body: dict[str, Any]) -> _Call:
     room = state.ready.context_len - len(ids)  # default: whatever fits in the context
     sampling = _sampling(body, max_key, max(1, min(state.limits.max_new_tokens, room)))
     renames = {"max_new_tokens": max_key, "top_logprobs_num": "top_logprobs", "input_ids": "messages", "prompt": "messages"}
-    call = _Call(chat=True, id=f"chatcmpl-{uuid.uuid4().hex}", model=state.model_name, requests=[])
+    _constrain(sampling, renames, constraint)
+    call = _Call(chat=True, id=f"chatcmpl-{uuid.uuid4().hex}", model=state.model_name, requests=[], constraint=constraint)
+    if tools is not None and tools.choice != "none":
+        call.tool_format, call.tool_names = fmt, tools.names
     call.requests = _build(
         state, body, call.id, renames, input_ids=ids, sampling=sampling, logprobs=logprobs, top=top,
     )
     return _finish_parse(call, body, logprobs=logprobs, top=top)
+
+
+def _template_text(tokenizer: Any) -> str | None:
+    template = getattr(tokenizer, "chat_template", None)
+    return template if isinstance(template, str) else None if template is None else str(template)
+
+
+def _tool_constraint(tools: ToolRequest | None, fmt: ToolCallFormat, other: Constraint | None) -> Constraint | None:
+    """The one constraint of a chat request: a constrained tool choice's calls, or (tool choice
+    auto with a JSON response format) calls or the JSON answer, or the body's own constraint."""
+    if tools is None or tools.choice == "none":
+        return other
+    if tools.constrained:
+        if other is not None:
+            choice = "a named function" if tools.choice == "named" else '"required"'
+            raise InvalidRequest(
+                f"`tool_choice` {choice} constrains the output to tool calls; it cannot be combined with `{other.source}`",
+                param=other.source,
+            )
+        return Constraint("structural_tag", structural_tag(tools, fmt), "tools")
+    if other is not None and other.answer_schema is not None:
+        return Constraint("structural_tag", structural_tag(tools, fmt, other.answer_schema), other.source)
+    return other
+
+
+def _constrain(sampling: dict[str, Any], renames: dict[str, str], constraint: Constraint | None) -> None:
+    if constraint is not None:
+        sampling[constraint.kind] = constraint.text
+        if constraint.source != constraint.kind:
+            renames[constraint.kind] = constraint.source
 
 
 def _finish_parse(call: _Call, body: dict[str, Any], *, logprobs: bool, top: int) -> _Call:
@@ -191,12 +258,6 @@ def _finish_parse(call: _Call, body: dict[str, Any], *, logprobs: bool, top: int
 
 
 def _reject_unsupported(body: dict[str, Any]) -> None:
-    for key in _CONSTRAINED:
-        if body.get(key) is not None:
-            raise InvalidRequest(f"`{key}` (constrained decoding) is not supported yet", param=key)
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise InvalidRequest("`response_format` other than {\"type\": \"text\"} is not supported yet", param="response_format")
     best_of = body.get("best_of")
     if best_of is not None and best_of != (body.get("n") or 1):
         raise InvalidRequest("`best_of` other than `n` is not supported yet", param="best_of")
@@ -290,6 +351,16 @@ def _choice(call: _Call, pos: int, out: dict[str, Any]) -> dict[str, Any]:
     choice: dict[str, Any] = {"index": pos}
     if call.chat:
         choice["message"] = {"role": "assistant", "content": out["text"]}
+        if call.tool_format is not None:
+            parsed = parse_tool_calls(call.tool_format, call.tool_names, out["text"])
+            if parsed.tool_calls:
+                choice["message"] = {
+                    "role": "assistant", "content": parsed.content,
+                    "tool_calls": [c.to_openai() for c in parsed.tool_calls],
+                }
+                reason = _tool_finish_reason(reason)
+            else:
+                choice["message"]["content"] = parsed.content or ""
         entries = meta.get("output_token_logprobs", [])
         tops = meta.get("output_top_logprobs") or [[]] * len(entries)
         choice["logprobs"] = {"content": _chat_logprobs(entries, tops, call.top_logprobs)} if call.logprobs else None
@@ -302,6 +373,13 @@ def _choice(call: _Call, pos: int, out: dict[str, Any]) -> dict[str, Any]:
             choice["logprobs"] = _completion_logprobs(call, meta, echo_text=echo_text, offset=0)[0]
     choice.update(finish_reason=reason, matched_stop=matched)
     return choice
+
+
+def _tool_finish_reason(reason: str | None) -> str | None:
+    """A choice that ends with calls: "tool_calls" when it stopped by itself (EOS, a stop
+    string, the grammar's end), as OpenAI says; "length" stays, so a client can tell that the
+    last call's arguments may be cut short."""
+    return "tool_calls" if reason == "stop" else reason
 
 
 def _usage(call: _Call, finals: list[dict[str, Any]]) -> dict[str, Any]:
@@ -379,6 +457,7 @@ class _StreamShaper:
         self.call = call
         self.sent: dict[int, _Sent] = {}
         self.finals: dict[int, dict[str, Any]] = {}
+        self.parsers: dict[int, ToolCallParser] = {}  # chat with tools: one per choice
 
     def start(self) -> Iterator[dict[str, Any]]:
         if self.call.chat:  # the role first, one chunk per choice, as OpenAI does
@@ -387,6 +466,9 @@ class _StreamShaper:
                 yield self._chunk({"index": pos, "delta": delta, "logprobs": None, "finish_reason": None})
 
     def update(self, pos: int, out: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        if self.call.tool_format is not None:
+            yield from self._tool_update(pos, out)
+            return
         sent = self.sent.setdefault(pos, _Sent())
         meta = out["meta_info"]
         reason, matched = _finish_reason(meta)
@@ -408,6 +490,39 @@ class _StreamShaper:
             choice.update(text=text, logprobs=logprobs)
         choice.update(finish_reason=reason, matched_stop=matched)
         yield self._chunk(choice)
+
+    def _tool_update(self, pos: int, out: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        """A chat choice with tools: the parser decides what of the new text is content and what
+        belongs to calls (text that may open a call waits until that is known); one chunk per
+        run of content or per call's piece, the finish reason on the last."""
+        assert self.call.tool_format is not None
+        sent = self.sent.setdefault(pos, _Sent())
+        parser = self.parsers.get(pos)
+        if parser is None:
+            parser = self.parsers[pos] = ToolCallParser(self.call.tool_format, self.call.tool_names)
+        meta = out["meta_info"]
+        reason, matched = _finish_reason(meta)
+        sent.chars = max(sent.chars, len(out["text"]))
+        deltas = _tool_deltas(parser.feed(out["text"], final=reason is not None))
+        logprobs = self._logprobs(pos, sent, meta)
+        sent.started = True
+        if reason is not None:
+            self.finals[pos] = out
+            if parser.calls:
+                reason = _tool_finish_reason(reason)
+            if not deltas or "tool_calls" in deltas[-1]:  # as OpenAI: the reason after a call, alone
+                deltas.append({})
+        elif not deltas:
+            if not logprobs:
+                return
+            deltas.append({})
+        for i, delta in enumerate(deltas):
+            last = i == len(deltas) - 1
+            yield self._chunk({
+                "index": pos, "delta": delta,
+                "logprobs": {"content": logprobs} if logprobs and i == 0 else None,
+                "finish_reason": reason if last else None, "matched_stop": matched if last else None,
+            })
 
     def _logprobs(self, pos: int, sent: _Sent, meta: dict[str, Any]) -> Any:
         """Logprobs of the tokens not streamed yet (and of the prompt first, with echo)."""
@@ -435,6 +550,26 @@ class _StreamShaper:
     def usage_chunk(self) -> dict[str, Any]:
         finals = [self.finals[pos] for pos in sorted(self.finals)]
         return self.call.envelope(choices=[], usage=_usage(self.call, finals))
+
+
+def _tool_deltas(events: list[Event]) -> list[dict[str, Any]]:
+    """Parser events as OpenAI deltas: content as `content`; a call's first piece with its id,
+    type and name (arguments "" or their first fragment), later ones with arguments only."""
+    deltas: list[dict[str, Any]] = []
+    for e in events:
+        if isinstance(e, ContentDelta):
+            deltas.append({"content": e.text})
+        elif isinstance(e, CallStarted):
+            entry = {"index": e.index, "id": e.id, "type": "function", "function": {"name": e.name, "arguments": ""}}
+            deltas.append({"tool_calls": [entry]})
+        else:
+            assert isinstance(e, ArgumentsDelta)
+            last = deltas[-1]["tool_calls"][0] if deltas and "tool_calls" in deltas[-1] else None
+            if last is not None and last["index"] == e.index and "id" in last and not last["function"]["arguments"]:
+                last["function"]["arguments"] = e.text  # the first fragment rides with the name
+            else:
+                deltas.append({"tool_calls": [{"index": e.index, "function": {"arguments": e.text}}]})
+    return deltas
 
 
 async def _events(

@@ -152,13 +152,16 @@ def structural_tag(request: ToolRequest, fmt: ToolCallFormat, answer_schema: Any
         choice: Any = {"type": "function", "function": {"name": request.forced}}
     else:
         choice = "required"
-    tag = xgr.get_model_structural_tag(
-        fmt.structural_tag_model, tools=grammar_tools(request), tool_choice=choice, reasoning="disabled",
-        parallel_tool_calls=request.parallel, max_whitespace_cnt=GRAMMAR_MAX_WHITESPACE,
-    )
-    if answer_schema is not None:
-        answer = JSONSchemaFormat(json_schema=answer_schema, max_whitespace_cnt=GRAMMAR_MAX_WHITESPACE)
-        tag = StructuralTag(format=OrFormat(elements=[tag.format, answer]))
+    try:
+        tag = xgr.get_model_structural_tag(
+            fmt.structural_tag_model, tools=grammar_tools(request), tool_choice=choice, reasoning="disabled",
+            parallel_tool_calls=request.parallel, max_whitespace_cnt=GRAMMAR_MAX_WHITESPACE,
+        )
+        if answer_schema is not None:
+            answer = JSONSchemaFormat(json_schema=answer_schema, max_whitespace_cnt=GRAMMAR_MAX_WHITESPACE)
+            tag = StructuralTag(format=OrFormat(elements=[tag.format, answer]))
+    except ValueError as exc:  # pydantic's checks of the tools (the schemas compile later)
+        raise InvalidRequest(f"`tools` cannot be turned into a grammar: {exc}", param="tools") from None
     return tag.model_dump_json()
 
 
