@@ -127,6 +127,9 @@ def test_max_new_tokens_before_the_grammar_ends_is_length(client):
     ({"regex": "a", "json_schema": "{}"}, "at most one"),
     ({"regex": 5}, "must be a string"),
     ({"regex": ""}, "must not be empty"),
+    ({"ebnf": "root ::= root"}, "allows no output"),
+    ({"json_schema": '{"type": "array", "items": ' * 3000 + "{}" + "}" * 3000}, "nested too deeply"),
+    ({"structural_tag": '{"structures": [{"begin": "<a>"}], "triggers": ["<a"]}'}, "needs"),
 ])
 def test_bad_grammars_are_400_with_a_message_and_the_server_stays_healthy(client, server, constraint, word):
     r = generate(client, constraint)

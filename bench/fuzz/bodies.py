@@ -60,6 +60,41 @@ def _logit_bias(draw: Any, target: Target, tags: list[str]) -> dict[str, Any]:
     return dict(entries) or {"0": 1.0}
 
 
+_DEEP = 2000  # nesting that a recursive schema or grammar converter must not crash on
+GOOD_GRAMMARS = (
+    ("json_schema", '{"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a"]}'),
+    ("json_schema", '{"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 3}'),
+    ("json_schema", {"type": "string", "maxLength": 5}),
+    ("regex", "[a-z]{1,8}"), ("regex", "(yes|no)"), ("regex", "\\d{3}-\\d{2}"),
+    ("ebnf", 'root ::= "a" | "b" root'),
+    ("structural_tag", '{"type": "structural_tag", "format": {"type": "const_string", "value": "ok"}}'),
+)
+BAD_GRAMMARS = (
+    ("json_schema", '{"type": "objec"}'), ("json_schema", "{"), ("json_schema", "[]"), ("json_schema", '"x"'),
+    ("json_schema", '{"type": "object", "properties": 5}'), ("json_schema", '{"$ref": "#/nowhere"}'),
+    ("json_schema", '{"type": "string", "pattern": "(?<=a)b"}'), ("json_schema", '{"type": "integer", "minimum": 5, "maximum": 1}'),
+    ("json_schema", '{"type": "array", "items": ' * _DEEP + "{}" + "}" * _DEEP),
+    ("json_schema", '{"anyOf": [' + ", ".join(f'{{"type": "object", "properties": {{"k{i}": {{"oneOf": [{{"type": "string"}}, {{"type": "integer"}}]}}}}}}' for i in range(60)) + "]}"),
+    ("regex", "(a"), ("regex", "a{99999999}"), ("regex", "(a)\\1"), ("regex", "(?=a)a"), ("regex", "[z-a]"),
+    ("regex", "(" * _DEEP + "a" + ")" * _DEEP), ("regex", "\\"),
+    ("ebnf", "root ::= undefined"), ("ebnf", "root ::= root"), ("ebnf", "x ::= \"a\""), ("ebnf", "root ::= (" * _DEEP + '"a"' + ")" * _DEEP),
+    ("structural_tag", "{}"), ("structural_tag", '{"type": "structural_tag", "format": {"type": "nope"}}'),
+    ("structural_tag", '{"structures": [{"begin": "<a>"}], "triggers": ["<a"]}'),
+)
+
+
+def _grammar(draw: Any, tags: list[str]) -> dict[str, Any]:
+    """One constraint, valid or hostile (malformed, unsupported, deep, slow to compile), now and
+    then two at once; the server must answer 2xx or a 400, and go on serving."""
+    kind = weighted(draw, {"good": 45, "bad": 45, "two": 10})
+    tags.append(f"grammar-{kind}")
+    if kind == "two":
+        (k1, v1), (k2, v2) = draw(st.lists(st.sampled_from(GOOD_GRAMMARS), min_size=2, max_size=2, unique_by=lambda g: g[0]))
+        return {k1: v1, k2: v2}
+    key, value = draw(st.sampled_from(GOOD_GRAMMARS if kind == "good" else BAD_GRAMMARS))
+    return {key: value}
+
+
 def _sampling(draw: Any, target: Target, tags: list[str], cap: int, max_key: str = "max_new_tokens") -> dict[str, Any]:
     """Valid sampling parameters (SGLang names; the caller renames), with a few risky extras."""
     sp: dict[str, Any] = {max_key: draw(st.integers(0, cap))}
@@ -97,6 +132,8 @@ def _sampling(draw: Any, target: Target, tags: list[str], cap: int, max_key: str
     if one_in(draw, 3):
         tags.append("logit_bias")
         sp["logit_bias"] = _logit_bias(draw, target, tags)
+    if one_in(draw, 8):
+        sp.update(_grammar(draw, tags))
     return sp
 
 

@@ -143,6 +143,8 @@ def _sampling_refusal(sp: dict[str, Any], target: Target, max_key: str, min_key:
                 return f"{key} {given[key]!r:.40} out of range or not a number"
     if 0 < (_as_float(given.get("temperature", 0)) or 0) < 1e-5:
         return "a temperature between 0 and 1e-5"
+    if sum(k in given for k in ("json_schema", "regex", "ebnf", "structural_tag")) > 1:
+        return "two constraints at once"
     if any(key in given and type(given[key]) is not bool for key in _BOOL_RULES):
         return "a flag that is not a boolean"
     stop = given.get("stop")

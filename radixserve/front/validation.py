@@ -151,7 +151,10 @@ def _grammar(raw: Mapping[str, Any], limits: Limits) -> Grammar | None:
     kind = given[0]
     value = raw[kind]
     if isinstance(value, dict) and kind in ("json_schema", "structural_tag"):
-        value = json.dumps(value)  # an object is taken as the JSON it spells
+        try:
+            value = json.dumps(value)  # an object is taken as the JSON it spells
+        except RecursionError:
+            raise InvalidRequest(f"{kind} is nested too deeply", kind) from None
     if not isinstance(value, str):
         raise InvalidRequest(f"{kind} must be a string, got {_json_type(value)}", kind)
     if not value.strip():
@@ -163,6 +166,8 @@ def _grammar(raw: Mapping[str, Any], limits: Limits) -> Grammar | None:
             parsed = json.loads(value)
         except ValueError as exc:
             raise InvalidRequest(f"{kind} is not valid JSON: {exc}", kind) from None
+        except RecursionError:
+            raise InvalidRequest(f"{kind} is nested too deeply", kind) from None
         if not isinstance(parsed, (dict, bool)) or (kind == "structural_tag" and not isinstance(parsed, dict)):
             raise InvalidRequest(f"{kind} must be a JSON object, got {_json_type(parsed)}", kind)
     return Grammar(kind, value)

@@ -39,6 +39,7 @@ COMPILE_THREADS = 2
 CACHE_CAPACITY = 256  # compiled grammars kept (LRU)
 COMPILE_TIMEOUT_S = 5.0  # a request waits this long for its grammar, then is refused
 _XGRAMMAR_PREFIX = re.compile(r"^\[[0-9:]+\] [^:]+:[0-9]+: ")  # "[04:56:49] /project/cpp/x.cc:83: "
+_XGRAMMAR_CHECK = re.compile(r"Check failed: \(.*?\) is false: ")
 
 
 _xgrammar_lock = threading.Lock()
@@ -58,7 +59,7 @@ class GrammarError(Exception):
 
 def _clean(exc: BaseException) -> str:
     """xgrammar's message without the C++ time stamp and source position."""
-    lines = [_XGRAMMAR_PREFIX.sub("", line).strip() for line in str(exc).strip().splitlines()]
+    lines = [_XGRAMMAR_CHECK.sub("", _XGRAMMAR_PREFIX.sub("", line)).strip() for line in str(exc).strip().splitlines()]
     return " ".join(line for line in lines if line) or type(exc).__name__
 
 
@@ -159,6 +160,11 @@ class GrammarCompiler:
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
+    def warm_up(self) -> None:
+        """Load the tokenizer and build xgrammar's vocabulary tables now (on a thread, at
+        start), not when the first constrained request arrives."""
+        self._compiler()
+
     def _compiler(self) -> xgr.GrammarCompiler:
         with self._init_lock:
             if self._xgr is None:
@@ -170,11 +176,22 @@ class GrammarCompiler:
                 self.ready_at = time.monotonic()
             return self._xgr
 
+    def _check_not_empty(self, compiled: xgr.CompiledGrammar) -> None:
+        """A grammar whose language is empty (`root ::= root`) compiles, but no token may ever
+        start it: refuse it here rather than sample from a mask that allows nothing."""
+        matcher = self.matcher(compiled)
+        bitmask = self.new_bitmask()
+        matcher.fill_next_token_bitmask(bitmask)
+        if not bitmask.any() and not matcher.is_terminated():
+            raise ValueError("the grammar allows no output at all")
+
     def _compile(self, grammar: Grammar) -> xgr.CompiledGrammar:
         compiler = self._compiler()
         start = time.perf_counter()
         try:
-            return _compile_kind(compiler, grammar)
+            compiled = _compile_kind(compiler, grammar)
+            self._check_not_empty(compiled)
+            return compiled
         finally:
             with self._counters_lock:
                 self.counters.observe(time.perf_counter() - start)
@@ -192,10 +209,13 @@ def _compile_kind(compiler: xgr.GrammarCompiler, grammar: Grammar) -> xgr.Compil
     if grammar.kind == "structural_tag":
         tag = json.loads(grammar.text)
         if isinstance(tag, dict) and "structures" in tag:  # SGLang's legacy shape
-            items = [
-                import_xgrammar().StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
-                for s in tag["structures"]
-            ]
+            try:
+                items = [
+                    import_xgrammar().StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+                    for s in tag["structures"]
+                ]
+            except (KeyError, TypeError):
+                raise ValueError('each of "structures" needs "begin", "schema" and "end"') from None
             return compiler.compile_structural_tag(items, tag.get("triggers", []))
         return compiler.compile_structural_tag(grammar.text)
     raise ValueError(f"unknown grammar kind {grammar.kind!r}")

@@ -53,6 +53,7 @@ def run_scheduler(config: ServerConfig, endpoints: Endpoints) -> None:
     grammars = GrammarCompiler(
         tokenizer.get, ready.vocab_size, ready.eos_token_ids, timeout=config.grammar_compile_timeout,
     )
+    threading.Thread(target=grammars.warm_up, name="grammar-warm-up", daemon=True).start()
     scheduler = Scheduler(config, ready, _stop_checker_factory(tokenizer), grammars)
     to_front.send(SchedulerReady(**{f: getattr(ready, f) for f in WorkerReady.__struct_fields__}))
 
