@@ -275,19 +275,15 @@ def test_openai_parse_with_pydantic(client):
 
 def test_tools_auto_with_a_response_format_may_call_or_answer(client):
     schema = RESPONSE_SCHEMAS[0]
-    seen = set()
-    for seed in range(6):
+    for seed in range(6):  # which of the two the noise picks is its business; both must be well formed
         out = client.chat.completions.create(
             model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=MAX_TOKENS, temperature=1.0, seed=seed,
             response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
         ).choices[0]
         if out.message.tool_calls:
             _check_calls(out.message.tool_calls, set(SCHEMAS))
-            seen.add("call")
         else:
             jsonschema.validate(json.loads(out.message.content), schema)
-            seen.add("answer")
-    assert seen  # which of the two the noise picks is its business; both must be well formed
 
 
 def test_raw_stream_shape(server):
