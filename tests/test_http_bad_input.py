@@ -33,8 +33,24 @@ def _chat(**fields):
 
 
 # id -> (method, path, JSON body or raw bytes, expected status, a word the message must contain)
+DEEP_SCHEMA = '{"type": "array", "items": ' * 3000 + "{}" + "}" * 3000  # past any JSON walker's recursion limit
+
+
+def _raw(path: str, prefix: str, suffix: str) -> tuple[str, str, bytes]:
+    """A body with DEEP_SCHEMA spliced in, as bytes: the client's own json.dumps could not write it."""
+    return ("POST", path, (prefix + DEEP_SCHEMA + suffix).encode())
+
+
 CASES = {
     "malformed json": ("POST", "/generate", b'{"text": "hi"', 400, "JSON"),
+    "generate json_schema object nested too deeply": (
+        *_raw("/generate", '{"text": "hi", "sampling_params": {"json_schema": ', "}}"), 400, "nested too deeply"),
+    "chat response_format nested too deeply": (
+        *_raw("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "response_format": '
+              '{"type": "json_schema", "json_schema": {"name": "x", "schema": ', "}}}"), 400, "nested too deeply"),
+    "chat tool parameters nested too deeply": (
+        *_raw("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", '
+              '"function": {"name": "f", "parameters": ', "}}]}"), 400, "nested too deeply"),
     "empty body": ("POST", "/generate", b"", 400, "empty"),
     "json array body": ("POST", "/generate", b"[1, 2]", 400, "object"),
     "invalid utf-8": ("POST", "/generate", b'{"text": "\xff\xfe"}', 400, "JSON"),

@@ -75,6 +75,8 @@ def to_http_error(exc: BaseException) -> HTTPError:
         return HTTPError(503, f"the server cannot serve requests: {exc.message}", code="engine_dead")
     if isinstance(exc, RidInUse):
         return HTTPError(409, exc.message, param="rid", code="rid_in_use")
+    if isinstance(exc, RecursionError):  # a JSON walker (dumps, a schema check) met the client's nesting
+        return HTTPError(400, "the request is nested too deeply to process")
     if isinstance(exc, RequestFailed):
         if exc.retryable:
             return HTTPError(503, exc.message, code="overloaded", headers={"Retry-After": RETRY_AFTER_S})
