@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 
 from bench.corpus import QUESTIONS
-from bench.serving import flush_cache, launch_server
+from bench.serving import emit_json, flush_cache, launch_server
 from radixserve.kernels import isa
 
 SCHEMA = {
@@ -89,16 +89,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         after = _metrics(client)
     baseline = (free["output_tokens_per_s"] + free_again["output_tokens_per_s"]) / 2
     result = {
-        "model": args.model, "dtype": args.dtype, "cpu_isa": isa.selected_tier().name,
+        "model": args.model, "dtype": args.dtype, "cpu_isa": str(isa.selected_tier()),
         "requests": args.requests, "concurrency": args.concurrency, "max_tokens": args.max_tokens,
         "unconstrained": free, "half_constrained": half, "unconstrained_again": free_again,
         "ratio": half["output_tokens_per_s"] / baseline,
         "compiles_during_runs": after[METRICS[0]] - before[METRICS[0]],
         "cache_hits_during_runs": after[METRICS[1]] - before[METRICS[1]],
     }
-    print(json.dumps(result, indent=2))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    emit_json(result, args.out)
     return 0
 
 

@@ -13,7 +13,6 @@ prompt's whole prefill time divided by a short request's.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import threading
 import time
@@ -23,7 +22,7 @@ from pathlib import Path
 import httpx
 
 from bench.corpus import documents
-from bench.serving import flush_cache, launch_server, load_tokenizer
+from bench.serving import emit_json, flush_cache, launch_server, load_tokenizer
 from radixserve.kernels import isa
 
 SHORT_PROMPTS = ["Hello", "Name a colour.", "Count to three.", "What is two plus two?", "Say hi.", "One word: yes"]
@@ -78,10 +77,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     long_text = documents(load_tokenizer(args.model), 1, args.long_tokens)[0]
     with launch_server(args.model, "--dtype", args.dtype) as url:
         result = measure(url, long_text, args.repeats)
-    result.update(model=args.model, dtype=args.dtype, long_tokens=args.long_tokens, cpu_isa=isa.selected_tier().name)
-    print(json.dumps(result, indent=2))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    result.update(model=args.model, dtype=args.dtype, long_tokens=args.long_tokens, cpu_isa=str(isa.selected_tier()))
+    emit_json(result, args.out)
     return 0
 
 

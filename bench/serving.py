@@ -416,6 +416,14 @@ def markdown_table(runs: Sequence[RunResult]) -> str:
     return "\n".join(lines)
 
 
+def emit_json(result: dict[str, Any], path: Path) -> None:
+    """Print a small benchmark's result and write it to `path` (bench/results/...)."""
+    text = json.dumps(result, indent=2)
+    print(text)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text + "\n")
+
+
 def write_results(runs: Sequence[RunResult], path: Path, meta: dict[str, Any]) -> None:
     """`path` (JSON: meta + every run with its per-request records) and `path` with .md."""
     path.parent.mkdir(parents=True, exist_ok=True)
