@@ -244,9 +244,9 @@ class Scheduler:
             if not req.worker_knows:
                 req.worker_knows = True
                 prompt = req.input_ids if req.sampling.repetition_penalty != 1.0 else []
-                new_requests.append(
-                    NewRequest(req.key, req.sampling, req.top_logprobs_num, prompt, req.return_logprob)
-                )
+                # the worker applies a grammar's bitmask, never the grammar: it stays here
+                sampling = req.sampling if req.sampling.grammar is None else msgspec.structs.replace(req.sampling, grammar=None)
+                new_requests.append(NewRequest(req.key, sampling, req.top_logprobs_num, prompt, req.return_logprob))
         finished, self._finished_keys = self._finished_keys, []
         return ForwardBatch(
             chunks=[c for _, c in self._in_flight], new_requests=new_requests,
