@@ -7,7 +7,7 @@ parse, call the front library, shape the answer.
     GET  /health           200 only when the scheduler and worker answer (no API key needed)
     GET  /metrics          Prometheus text
     GET  /health_generate  the same check (SGLang's name for it; needs the API key)
-    GET  /server_info      options, model, KV pages (total, free, cached, in use), pids
+    GET  /server_info      options, model, CPU placement, KV pages (total, free, cached, in use), pids
                            (also /get_server_info, SGLang's older name)
     GET  /model_info       SGLang's model card: model_path, tokenizer_path, is_generation
                            (also /get_model_info)
@@ -75,8 +75,11 @@ _GENERATE_UNSUPPORTED = frozenset({
     "image_data", "video_data", "audio_data", "input_embeds", "lora_path", "lora_id",
     "session_params", "custom_logit_processor", "return_hidden_states", "return_routed_experts",
     "token_ids_logprob", "bootstrap_host", "bootstrap_port", "bootstrap_room", "data_parallel_rank",
-    "modalities",
+    "modalities", "background", "return_bytes", "return_entropy",
 })
+# SGLang flags about the server's own logging, which change nothing in the answer; SGLang's
+# router sends them (and `model`) with every /generate it forwards, so they must be accepted
+_GENERATE_LOGGING_FLAGS = frozenset({"log_metrics", "no_logs"})
 
 
 def create_app(config: ServerConfig, backend: Backend, ready: SchedulerReady, tokenizer: Any) -> Starlette:
@@ -260,6 +263,7 @@ async def server_info(request: Request) -> Response:
             "page_size": ready.page_size,
         },
         "cpu_isa": ready.cpu_isa,
+        "placement": state.backend.placement.to_dict(),
         "options": state.config.to_dict(),
         "pages": pages,
         "requests": None if stats is None else {"running": stats.num_running, "waiting": stats.num_waiting},
@@ -316,6 +320,7 @@ async def generate(request: Request) -> Response:
     state = _state(request)
     body = await read_json(request, state.config.max_body_bytes)
     stream = _check_generate_fields(body)
+    state.check_model(body.get("model"))  # SGLang's router adds `model` (null unless the client gave one)
     fields = {k: body[k] for k in _GENERATE_FIELDS - {"stream"} if body.get(k) is not None}
     requests, is_batch = await state.prepare(build_requests, state.tokenizer, state.ready, state.limits, **fields)
     many = is_batch or sum(r.sampling.n for r in requests) > 1
@@ -330,7 +335,11 @@ async def generate(request: Request) -> Response:
 def _check_generate_fields(body: dict[str, Any]) -> bool:
     """Reject unknown and unsupported fields and wrongly typed flags; returns `stream`."""
     for key, value in body.items():
-        if key in _GENERATE_FIELDS:
+        if key in _GENERATE_FIELDS or key == "model":
+            continue
+        if key in _GENERATE_LOGGING_FLAGS:
+            if value is not None and type(value) is not bool:
+                raise InvalidRequest(f"`{key}` must be a boolean", param=key)
             continue
         if key in _GENERATE_UNSUPPORTED:
             if value is None or value is False or (type(value) in (list, dict, str) and not value):
