@@ -27,7 +27,6 @@ from typing import Any
 from radixserve import __version__
 from radixserve.config import (
     ATTENTION_BACKENDS,
-    DEVICES,
     DTYPES,
     LOG_LEVELS,
     POLICIES,
@@ -42,7 +41,8 @@ API_KEY_ENV = "RADIXSERVE_API_KEY"
 HELP = {
     "model": "model to serve: 'default' (SmolLM2-135M-Instruct), a Hugging Face folder, or a .gguf file",
     "dtype": "weights and KV dtype; auto picks bfloat16 where the hardware runs it fast, else float32",
-    "device": "where the model runs; auto picks cuda when available, else cpu",
+    "device": "where the model runs: auto, cpu, cuda, or cuda:K for GPU K of several; auto picks cuda "
+    "when available, else cpu",
     "attention_backend": "paged attention kernels; auto picks flashinfer on cuda when it is installed "
     "(pip install radixserve[cuda]), else torch_native",
     "disable_cuda_graph": "on cuda, run decode steps eagerly instead of replaying captured CUDA graphs",
@@ -60,6 +60,10 @@ HELP = {
     "grammar_compile_timeout": "seconds a constrained request (json_schema, regex, ebnf, structural_tag, "
     "tools) waits for its grammar to compile; beyond it the request gets 400",
     "startup_timeout": "seconds the model may take to load",
+    "num_threads": "threads of the worker's forward (torch, oneDNN and the CPU kernels' OpenMP pools); "
+    "default: one per --cpu-affinity core, else torch's default",
+    "cpu_affinity": "pin the worker to these cores, e.g. 0-15 or 0,2,4-7 (replicas sharing a machine); "
+    "the scheduler and front then run on the other cores this process may use, if any",
     "host": "address to listen on; 127.0.0.1 keeps the server local (use 0.0.0.0 with --api-key)",
     "port": "TCP port to listen on",
     "api_key": f"require 'Authorization: Bearer <key>' on every route but /health (or set ${API_KEY_ENV})",
@@ -77,7 +81,7 @@ HELP = {
     "log_level": "logging level of every process",
 }
 _CHOICES = {
-    "dtype": DTYPES, "device": DEVICES, "attention_backend": ATTENTION_BACKENDS,
+    "dtype": DTYPES, "attention_backend": ATTENTION_BACKENDS,
     "schedule_policy": POLICIES, "log_level": LOG_LEVELS, "tool_call_parser": TOOL_CALL_PARSERS,
 }
 
@@ -165,6 +169,7 @@ def serve(config: ServerConfig) -> int:
     from radixserve.front.http_server import create_app
     from radixserve.front.tokenizer import load_tokenizer
     from radixserve.launch import Backend, StartupError
+    from radixserve.placement import pin_current_process
 
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     sock = _bind(config.host, config.port)  # before the model loads: a taken port fails in a second
@@ -175,8 +180,10 @@ def serve(config: ServerConfig) -> int:
     backend = Backend(config)
     try:
         ready = backend.start()
+        if backend.placement.service_cpus is not None:  # the front keeps off the worker's cores
+            pin_current_process(backend.placement.service_cpus)
         app = create_app(config, backend, ready, load_tokenizer(ready.model_path))
-        _log_ready(config, ready)
+        _log_ready(config, ready, backend.placement.describe())
         server = uvicorn.Server(uvicorn.Config(
             app, log_level=config.log_level, lifespan="on",
             http=deadline_protocol(config.header_timeout, config.body_timeout),
@@ -209,12 +216,13 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _log_ready(config: ServerConfig, ready: Any) -> None:
+def _log_ready(config: ServerConfig, ready: Any, placement: str) -> None:
     host = f"[{config.host}]" if ":" in config.host else config.host
     log.info(
         "model %s (%s), dtype %s, device %s, CPU ISA %s, context %d tokens",
         config.model_name, ready.model_path, ready.dtype, ready.device, ready.cpu_isa, ready.context_len,
     )
+    log.info("%s", placement)
     log.info(
         "KV pool: %d pages x %d tokens = %d tokens; radix cache %s",
         ready.total_pages, ready.page_size, ready.total_pages * ready.page_size,

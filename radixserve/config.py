@@ -6,10 +6,13 @@ Engine keyword arguments use the CLI flag names with underscores (`--page-size` 
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 
+from radixserve import placement
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-DEVICES = ("auto", "cpu", "cuda")
+DEVICES = ("auto", "cpu", "cuda")  # and "cuda:K", one GPU of several (see _check_device)
 POLICIES = ("lpm", "fcfs")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 ATTENTION_BACKENDS = ("auto", "flashinfer", "torch_native")
@@ -38,6 +41,9 @@ class ServerConfig:
     debug_checks: bool = False  # cross-check page accounting after every step
     grammar_compile_timeout: float = 5.0  # seconds a request waits for its grammar, then 400
     startup_timeout: float = 300.0
+    # CPU placement (radixserve/placement.py): replicas sharing a machine pin their workers apart
+    num_threads: int | None = None  # the worker's thread pools; None: one per --cpu-affinity core, else torch's default
+    cpu_affinity: str | None = None  # the worker's cores, e.g. "0-15" or "0,2,4-7"; None: not pinned
     # HTTP server
     host: str = "127.0.0.1"
     port: int = 30000
@@ -53,7 +59,7 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         _choice("dtype", self.dtype, DTYPES)
-        _choice("device", self.device, DEVICES)
+        _check_device(self.device)
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         if self.attention_backend == "flashinfer" and self.device == "cpu":
             raise ValueError("attention_backend 'flashinfer' needs CUDA; use device cuda or auto, or attention_backend torch_native")
@@ -78,6 +84,10 @@ class ServerConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")
+        if self.num_threads is not None:
+            _at_least("num_threads", self.num_threads, 1)
+        if self.cpu_affinity is not None:
+            placement.plan(self.num_threads, self.cpu_affinity)  # raises on a bad or unusable list
 
     @property
     def model_name(self) -> str:
@@ -104,6 +114,13 @@ class ServerConfig:
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
+
+
+def _check_device(value: str) -> None:
+    """`auto`, `cpu`, `cuda`, or `cuda:K` for GPU K (whether it exists is the worker's check,
+    the only process that imports torch)."""
+    if value not in DEVICES and not (isinstance(value, str) and re.fullmatch(r"cuda:[0-9]{1,4}", value)):
+        raise ValueError(f"device must be one of {list(DEVICES)} or cuda:K (a GPU index), got {value!r}")
 
 
 def _at_least(name: str, value: int, low: int) -> None:

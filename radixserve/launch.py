@@ -14,6 +14,7 @@ import zmq
 from radixserve.config import ServerConfig
 from radixserve.ipc import Endpoints, Sender
 from radixserve.kernels import isa
+from radixserve.placement import Placement, plan, start_pinned
 from radixserve.protocol import SchedulerReady, Shutdown
 from radixserve.scheduler.process import run_scheduler
 from radixserve.worker.process import run_worker
@@ -39,12 +40,17 @@ class Backend:
             isa.selected_tier()
         except ValueError as exc:
             raise StartupError(str(exc)) from None
+        try:
+            # decided here, once: the worker applies it, the ready log and /server_info show it
+            self.placement: Placement = plan(config.num_threads, config.cpu_affinity)
+        except ValueError as exc:
+            raise StartupError(str(exc)) from None
         self.endpoints = Endpoints.create()
         self.receiver = zmq.Context.instance().socket(zmq.PULL)
         self.receiver.setsockopt(zmq.LINGER, 0)
         self.receiver.bind(self.endpoints.scheduler_to_front)
         ctx = mp.get_context("spawn")  # no fork: torch and zmq state must not be inherited
-        self.worker = ctx.Process(target=run_worker, args=(config, self.endpoints), name="radixserve-worker", daemon=True)
+        self.worker = ctx.Process(target=run_worker, args=(config, self.endpoints, self.placement), name="radixserve-worker", daemon=True)
         self.scheduler = ctx.Process(target=run_scheduler, args=(config, self.endpoints), name="radixserve-scheduler", daemon=True)
         self._stopping = False
         self._watch_thread: threading.Thread | None = None
@@ -55,8 +61,8 @@ class Backend:
 
     def start(self) -> SchedulerReady:
         """Start both processes and wait until the model is loaded. Raises StartupError."""
-        self.worker.start()
-        self.scheduler.start()
+        self.worker.start()  # pins itself (run_worker), every thread, before torch loads
+        start_pinned(self.scheduler, self.placement.service_cpus)
         deadline = time.monotonic() + self.config.startup_timeout
         decoder = msgspec.msgpack.Decoder(SchedulerReady)
         while time.monotonic() < deadline:

@@ -10,12 +10,28 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def resolve_device(name: str) -> torch.device:
-    """`auto` picks CUDA when it is available, else the CPU."""
+    """`auto` picks CUDA when it is available, else the CPU; `cuda:K` is GPU K of several (one
+    replica per GPU on a multi-GPU machine, docs/deploy.md)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was asked for, but torch sees no CUDA device")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r} was asked for, but torch sees no CUDA device")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"device {name!r} was asked for, but torch sees {count} CUDA device(s): cuda:0..cuda:{count - 1}")
+    return device
+
+
+def use_device(name: str) -> torch.device:
+    """Resolve the device and make a CUDA one the process's current device, so what is created
+    without naming a device (CUDA streams, graphs and their memory pool, library workspaces)
+    lands on the GPU the model is on, not on GPU 0."""
+    device = resolve_device(name)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+    return device
 
 
 def cpu_prefers_bf16() -> bool:
