@@ -4,8 +4,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PORT ?= 30000
+N ?= 2
 
-.PHONY: setup test serve bench fuzz lint
+.PHONY: setup test serve serve-replicas bench fuzz lint
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +29,11 @@ test: setup
 
 serve: setup
 	$(BIN)/radixserve serve --model default --port $(PORT)
+
+# N replicas of the default model, each worker pinned to its own cores, behind SGLang's
+# cache-aware router on $(PORT) (replica i on $(PORT)+1+i); Ctrl-C stops all (docs/deploy.md).
+serve-replicas: setup
+	$(BIN)/python -m radixserve.replicas --replicas $(N) --model default --port $(PORT)
 
 # The serving benchmark's default suite (bench/suite.py): every workload on radixserve with the
 # prefix cache on and off plus the transformers baselines; results and report in bench/results/.
