@@ -3,6 +3,7 @@ of them, and the cap that keeps every request cheap."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any
 
@@ -90,9 +91,9 @@ def _grammar(draw: Any, tags: list[str]) -> dict[str, Any]:
     tags.append(f"grammar-{kind}")
     if kind == "two":
         (k1, v1), (k2, v2) = draw(st.lists(st.sampled_from(GOOD_GRAMMARS), min_size=2, max_size=2, unique_by=lambda g: g[0]))
-        return {k1: v1, k2: v2}
+        return copy.deepcopy({k1: v1, k2: v2})
     key, value = draw(st.sampled_from(GOOD_GRAMMARS if kind == "good" else BAD_GRAMMARS))
-    return {key: value}
+    return {key: copy.deepcopy(value)}
 
 
 def _sampling(draw: Any, target: Target, tags: list[str], cap: int, max_key: str = "max_new_tokens") -> dict[str, Any]:
@@ -242,13 +243,15 @@ def mutate(draw: Any, target: Target, tags: list[str], body: dict[str, Any], key
             holder, known = _sampling_holder(draw, body, keys) if edit == "set-sampling" else (body, keys)
             present = sorted(k for k in holder if isinstance(k, str))
             key = draw(st.sampled_from(present if present and not one_in(draw, 3) else known))
-            holder[key] = draw(bad_max_tokens(target) if key in MAX_KEYS else hostile())
+            # a copy: sampled values ({} and [] among them) are shared objects, and one edited
+            # later as a holder would become a cycle in every body that holds it
+            holder[key] = copy.deepcopy(draw(bad_max_tokens(target) if key in MAX_KEYS else hostile()))
             tags.append("wrong-value")
         elif edit == "unknown":
             holder, _ = _sampling_holder(draw, body, keys) if one_in(draw, 3) else (body, keys)
             key = draw(st.sampled_from(UNKNOWN_KEYS + (SGLANG_UNSUPPORTED if holder is body else ())))
             falsy = draw(st.booleans())
-            holder[key] = draw(st.sampled_from(FALSY) if falsy else hostile())
+            holder[key] = copy.deepcopy(draw(st.sampled_from(FALSY) if falsy else hostile()))
             tags.append("unknown-field-falsy" if falsy else "unknown-field")
         elif edit == "delete" and body:
             key = draw(st.sampled_from(sorted(body)))
