@@ -17,16 +17,22 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from http_helpers import HOST, TINY_OPTIONS, sse_events, wait_gone
+from http_helpers import HOST, TINY_OPTIONS, running_server, sse_events, wait_gone
 from runtime_helpers import children_of, make_tiny_chat_model
 
 from radixserve.placement import usable_cpus
 from radixserve.replicas import router_available, serve_replicas, split_cores
 
-pytestmark = [
+needs_router = [
     pytest.mark.skipif(not router_available(), reason="sglang-router is not installed: pip install 'radixserve[router]'"),
     pytest.mark.skipif(len(usable_cpus()) < 2, reason="two replicas need two usable cores"),
 ]
+
+
+def with_router(test):
+    for mark in needs_router:
+        test = mark(test)
+    return test
 
 # long enough that a repeat is cached (page size 4) and cache_aware's match rate decides the route
 DOC = " ".join(f"Fact {i}: the river {random.Random(i).choice('ABCDEFGH')} flows north." for i in range(30))
@@ -72,6 +78,22 @@ def _generate(url: str, text: str, **extra) -> dict:
     return r.json()
 
 
+def test_generate_accepts_what_the_router_adds(tiny_model: Path, tmp_path: Path):
+    """The router re-serializes /generate with SGLang's defaults; a replica must take them, and
+    still refuse what it does not do (without the router installed, too)."""
+    added = {"model": None, "return_text_in_logprobs": False, "stream": False, "log_metrics": True,
+             "return_hidden_states": False, "background": False, "no_logs": False, "return_bytes": False,
+             "return_entropy": False}
+    with running_server(tiny_model, *TINY_OPTIONS, log_dir=tmp_path) as server:
+        name = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        for extra, status in [(added, 200), ({**added, "model": name}, 200), ({"model": "other"}, 404),
+                              ({"log_metrics": "yes"}, 400), ({"background": True}, 400),
+                              ({"return_entropy": True}, 400), ({"no_such_field": 1}, 400)]:
+            body = {"text": "Hello", "sampling_params": {"max_new_tokens": 2}, **extra}
+            r = httpx.post(server.url + "/generate", json=body, timeout=60)
+            assert r.status_code == status, (extra, r.text)
+
+
 def test_split_cores():
     assert split_cores(2, cores=(0, 1, 2, 3, 4)) == ([(0, 1), (2, 3)], (4,))
     assert split_cores(2, 1, cores=(0, 1, 2, 3)) == ([(0,), (1,)], (2, 3))
@@ -81,12 +103,14 @@ def test_split_cores():
             split_cores(cores=(0, 1), **bad)
 
 
+@with_router
 def test_each_replica_is_pinned_to_its_own_core(cluster):
     replicas, _ = cluster
     cores = [httpx.get(r.url + "/server_info", timeout=30).json()["placement"]["worker_cpus"] for r in replicas]
     assert cores == [str(r.cores[0]) for r in replicas] and len(set(cores)) == 2
 
 
+@with_router
 def test_openai_client_through_the_router(cluster):
     _, router = cluster
     model = httpx.get(router.url + "/v1/models", timeout=30).json()["data"][0]["id"]
@@ -111,6 +135,7 @@ def test_openai_client_through_the_router(cluster):
             client.completions.create(model="no-such-model", prompt="x", max_tokens=1)
 
 
+@with_router
 def test_generate_through_the_router(cluster):
     _, router = cluster
     out = _generate(router.url, "The quick brown fox", rid="router-rid-1")
@@ -128,6 +153,7 @@ def test_generate_through_the_router(cluster):
     assert [o["output_ids"] for o in seeded] == [o["output_ids"] for o in again]
 
 
+@with_router
 def test_cache_aware_routes_a_prefix_back_to_its_replica(cluster):
     replicas, router = cluster
     assert httpx.post(router.url + "/flush_cache", timeout=30).status_code == 200
@@ -154,6 +180,7 @@ def _running(url: str) -> int:
     return info["requests"]["running"] + info["requests"]["waiting"]
 
 
+@with_router
 def test_a_replica_killed_mid_run_does_not_fail_later_requests(fresh_cluster):
     replicas, router = fresh_cluster
     # a long stream, in flight on one replica when it is killed
@@ -205,6 +232,7 @@ def test_a_replica_killed_mid_run_does_not_fail_later_requests(fresh_cluster):
     assert r.status_code == 200 and done and events[-1]["meta_info"]["completion_tokens"] == 3
 
 
+@with_router
 @pytest.mark.slow
 def test_default_model_replicas_through_the_router(tmp_path: Path):
     """The issue's set-up: the default model, two replicas with one thread each."""
