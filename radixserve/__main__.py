@@ -67,6 +67,8 @@ HELP = {
     "host": "address to listen on; 127.0.0.1 keeps the server local (use 0.0.0.0 with --api-key)",
     "port": "TCP port to listen on",
     "api_key": f"require 'Authorization: Bearer <key>' on every route but /health (or set ${API_KEY_ENV})",
+    "api_key_file": "a file of API keys, one per line as 'KEY' or 'KEY TENANT' (# comments): each "
+    "key's requests get their tenant's own prefix cache; replaces --api-key",
     "served_model_name": "the model id in the OpenAI API (/v1/models, the 'model' field); default: --model",
     "max_body_bytes": "largest request body accepted, in bytes (413 beyond)",
     "health_timeout": "seconds the scheduler and worker have to answer a /health check",
@@ -130,9 +132,16 @@ def _add_option(parser: argparse.ArgumentParser, f: dataclasses.Field, hint: Any
 def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ServerConfig:
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig)}
     if values["api_key"] is None and os.environ.get(API_KEY_ENV):
+        if values["api_key_file"] is not None:
+            parser.error(f"--api-key-file replaces --api-key: unset ${API_KEY_ENV} (or put that key in the file)")
         values["api_key"] = os.environ[API_KEY_ENV]
     try:
-        return ServerConfig(**values)
+        config = ServerConfig(**values)
+        if config.api_key_file is not None:  # before the model loads: a bad file fails in a second
+            from radixserve.front.tenants import load_api_key_file
+
+            load_api_key_file(config.api_key_file)
+        return config
     except ValueError as exc:
         parser.error(str(exc))
         raise  # unreachable: parser.error exits
@@ -228,7 +237,13 @@ def _log_ready(config: ServerConfig, ready: Any, placement: str) -> None:
         ready.total_pages, ready.page_size, ready.total_pages * ready.page_size,
         "off" if config.disable_radix_cache else "on",
     )
-    log.info("serving at http://%s:%d%s", host, config.port, " (API key required)" if config.api_key else "")
+    log.info("serving at http://%s:%d%s", host, config.port, _auth_note(config))
+
+
+def _auth_note(config: ServerConfig) -> str:
+    if config.api_key_file is not None:
+        return f" (API keys of {config.api_key_file} required)"
+    return " (API key required)" if config.api_key else ""
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 30000
     api_key: str | None = None
+    api_key_file: str | None = None  # one key per line, `key [tenant]`: a tenant per key (front/tenants.py)
     served_model_name: str | None = None  # the model id of the OpenAI API; None: `model`
     max_body_bytes: int = 32 * 1024 * 1024  # largest request body accepted (413 above)
     health_timeout: float = 10.0  # /health: seconds the scheduler and worker have to answer
@@ -84,6 +85,9 @@ class ServerConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")
+        if self.api_key is not None and self.api_key_file is not None:
+            # the single key would be a tenant whose salt names raw namespaces, other tenants' included
+            raise ValueError("give either api_key or api_key_file, not both (put the key in the file)")
         if self.num_threads is not None:
             _at_least("num_threads", self.num_threads, 1)
         if self.cpu_affinity is not None:

@@ -57,6 +57,7 @@ from radixserve.front.inputs import build_requests
 from radixserve.front.manager import EngineDead, GenerateRequest, TokenizerManager
 from radixserve.front.metrics import CONTENT_TYPE
 from radixserve.front.serving import ServerState
+from radixserve.front.tenants import SCOPE_KEY, Tenants, load_api_key_file, scope_requests
 from radixserve.front.validation import InvalidRequest
 from radixserve.launch import Backend
 from radixserve.protocol import SamplingParams, SchedulerReady
@@ -83,7 +84,8 @@ _GENERATE_LOGGING_FLAGS = frozenset({"log_metrics", "no_logs"})
 
 
 def create_app(config: ServerConfig, backend: Backend, ready: SchedulerReady, tokenizer: Any) -> Starlette:
-    """The ASGI app over a started backend. The API key, if any, guards every route but /health."""
+    """The ASGI app over a started backend. The API key (or the keys of --api-key-file), if any,
+    guards every route but /health."""
     state = ServerState(config=config, backend=backend, ready=ready, tokenizer=tokenizer)
     routes = [
         Route("/health", health, methods=["GET"]),
@@ -108,7 +110,12 @@ def create_app(config: ServerConfig, backend: Backend, ready: SchedulerReady, to
     )
     app.router.redirect_slashes = False  # `/generate/` is a JSON 404, not an empty 307
     app.state.server = state
-    if config.api_key is not None:
+    if config.api_key_file is not None:
+        tenants = load_api_key_file(config.api_key_file)
+        state.metrics.add_tenants(tenants.names)
+        app.add_middleware(APIKeyMiddleware, tenants=tenants)
+        state.tenants_on = True
+    elif config.api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
     return app
 
@@ -148,14 +155,24 @@ def _state(request: Request) -> ServerState:
 class APIKeyMiddleware:
     """`Authorization: Bearer <key>` on every route except /health, compared in constant time
     (digests of equal length, so not even the key's length leaks). /health_generate, which
-    may run a one-token request, needs the key."""
+    may run a one-token request, needs the key.
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    With `tenants` (--api-key-file), any of the file's keys is accepted and its tenant is left in
+    the scope (`tenants.SCOPE_KEY`) for the routes to derive the request's cache namespace."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None = None, tenants: Tenants | None = None) -> None:
         self.app = app
-        self._digest = hashlib.sha256(api_key.encode()).digest()
+        self._digest = hashlib.sha256(api_key.encode()).digest() if api_key is not None else None
+        self._tenants = tenants
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] == "/health" or self._authorized(scope):
+        if scope["type"] != "http" or scope["path"] == "/health":
+            await self.app(scope, receive, send)
+            return
+        tenant = self._authorize(scope)
+        if tenant is not None:
+            if self._tenants is not None:
+                scope[SCOPE_KEY] = tenant
             await self.app(scope, receive, send)
             return
         error = HTTPError(401, "a valid API key is required: send `Authorization: Bearer <key>`", code="invalid_api_key")
@@ -163,11 +180,17 @@ class APIKeyMiddleware:
         response.headers["WWW-Authenticate"] = "Bearer"
         await response(scope, receive, send)
 
-    def _authorized(self, scope: Scope) -> bool:
+    def _authorize(self, scope: Scope) -> str | None:
+        """The tenant of the request's key ("" for the single --api-key), or None: refused."""
         value = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
         scheme, _, token = value.partition(b" ")
-        digest = hashlib.sha256(token.strip()).digest()
-        return hmac.compare_digest(digest, self._digest) and scheme.lower() == b"bearer"
+        token = token.strip()
+        if self._tenants is not None:
+            tenant = self._tenants.lookup(token)
+        else:
+            assert self._digest is not None
+            tenant = "" if hmac.compare_digest(hashlib.sha256(token).digest(), self._digest) else None
+        return tenant if scheme.lower() == b"bearer" else None
 
 
 # ---------------------------------------------------------------------- health, metrics, admin
@@ -323,6 +346,7 @@ async def generate(request: Request) -> Response:
     state.check_model(body.get("model"))  # SGLang's router adds `model` (null unless the client gave one)
     fields = {k: body[k] for k in _GENERATE_FIELDS - {"stream"} if body.get(k) is not None}
     requests, is_batch = await state.prepare(build_requests, state.tokenizer, state.ready, state.limits, **fields)
+    scope_requests(request.scope, requests)
     many = is_batch or sum(r.sampling.n for r in requests) > 1
     if stream:
         return await _stream_generate(request, state, requests, many)

@@ -79,6 +79,7 @@ class GenerateRequest:
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
     cache_salt: str | None = None
+    tenant: str | None = None  # from the API key (--api-key-file); only the front's metrics read it
 
 
 class TokenizerManager:

@@ -101,11 +101,33 @@ class ServerMetrics:
             PREFIX + "requests_finished", "Sequences finished, by finish reason (stop, length, abort).",
             ["finish_reason"], registry=self.registry,
         )
+        # per tenant (--api-key-file only): the label's values are the file's names, a bounded set
+        self._tenant_counters: tuple[Counter, Counter, Counter] | None = None
 
-    def observe_finished(self, meta: dict[str, Any]) -> None:
-        """Record one finished sequence from its `meta_info`."""
+    def add_tenants(self, names: frozenset[str]) -> None:
+        """Per-tenant counters, every tenant's series present (at 0) from the start."""
+        self._tenant_counters = (
+            Counter(PREFIX + "tenant_requests_finished", "Sequences finished, by tenant (API key file).",
+                    ["tenant"], registry=self.registry),
+            Counter(PREFIX + "tenant_prompt_tokens", "Prompt tokens of finished sequences, by tenant.",
+                    ["tenant"], registry=self.registry),
+            Counter(PREFIX + "tenant_cached_prompt_tokens",
+                    "Prompt tokens of finished sequences found in the tenant's own prefix cache, by tenant.",
+                    ["tenant"], registry=self.registry),
+        )
+        for counter in self._tenant_counters:
+            for name in sorted(names):
+                counter.labels(tenant=name)
+
+    def observe_finished(self, meta: dict[str, Any], tenant: str | None = None) -> None:
+        """Record one finished sequence from its `meta_info` (and its tenant's, if it has one)."""
         reason = (meta.get("finish_reason") or {}).get("type", "abort")
         self.finished.labels(finish_reason=reason).inc()
+        if tenant is not None and self._tenant_counters is not None:
+            finished, prompt, cached = self._tenant_counters
+            finished.labels(tenant=tenant).inc()
+            prompt.labels(tenant=tenant).inc(meta.get("prompt_tokens", 0))
+            cached.labels(tenant=tenant).inc(meta.get("cached_tokens", 0))
         if reason == "abort":
             return
         e2e = meta["e2e_latency"]

@@ -42,6 +42,7 @@ from radixserve.front.http_common import (
 from radixserve.front.inputs import build_requests
 from radixserve.front.manager import GenerateRequest, RequestFailed
 from radixserve.front.serving import ServerState
+from radixserve.front.tenants import scope_requests
 from radixserve.front.tokenizer import normalize_messages, text_chars
 from radixserve.front.tool_calls import (
     ArgumentsDelta,
@@ -130,6 +131,7 @@ async def chat_completions(request: Request) -> Response:
 
 
 async def _serve(request: Request, state: ServerState, call: _Call) -> Response:
+    scope_requests(request.scope, call.requests)  # the key's tenant owns the cache namespace
     try:
         if call.stream:
             results = state.results(call.requests)

@@ -53,6 +53,7 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     manager: TokenizerManager | None = None
     health_probe: asyncio.Future[str | None] | None = None  # the one-token probe /health runs when idle
+    tenants_on: bool = False  # --api-key-file: every request must carry its key's tenant
 
     def __post_init__(self) -> None:
         self.limits = request_limits(self.config, self.ready, self.tokenizer)
@@ -94,13 +95,16 @@ class ServerState:
         """Cumulative results of every sequence as they come, tagged with the sequence's position
         (prompt-major: prompt i's n samples are consecutive). Closing the stream aborts the rest."""
         manager = self.get_manager()
+        if self.tenants_on and any(r.tenant is None for r in requests):
+            # fail closed: a route that forgot `tenants.scope_requests` would share a namespace
+            raise RuntimeError("a request without a tenant on a server with --api-key-file")
         manager.check_rids_free([r.rid for r in requests])
         offsets = list(itertools.accumulate((r.sampling.n for r in requests), initial=0))
         streams = [manager.generate(r) for r in requests]
         async with aclosing(merge(streams)) as merged:
             async for i, out in merged:
                 if out["meta_info"]["finish_reason"] is not None:
-                    self.metrics.observe_finished(out["meta_info"])
+                    self.metrics.observe_finished(out["meta_info"], requests[i].tenant)
                 yield offsets[i] + out.pop("index"), out
 
     async def collect(self, requests: list[GenerateRequest]) -> list[dict[str, Any]]:
