@@ -8,6 +8,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -252,3 +253,36 @@ def test_the_server_does_not_start_with_a_bad_key_file(tmp_path):
     assert out.returncode == 2 and "not both" in out.stderr and "sk-other" not in out.stderr, out.stderr
     out = start("--api-key-file", str(good), env={"RADIXSERVE_API_KEY": "sk-env"})
     assert out.returncode == 2 and "RADIXSERVE_API_KEY" in out.stderr and "sk-env" not in out.stderr, out.stderr
+
+
+def test_a_tenants_rids_are_its_own(server):
+    """B can reuse a rid that A has in flight, and can abort neither it nor A's other requests;
+    A's own other key can."""
+    results: dict[str, dict] = {}
+
+    def run(name: str, key: str) -> None:
+        body = {"text": "count", "rid": "shared-rid", "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}}
+        results[name] = httpx.post(server.url + "/generate", json=body, headers=_auth(key), timeout=120).json()
+
+    a = threading.Thread(target=run, args=("a", KEY_A))
+    a.start()
+    deadline = time.monotonic() + 30
+    while server.info(**_auth(KEY_A))["requests"]["running"] < 1:
+        assert time.monotonic() < deadline, "A's request did not start"
+        time.sleep(0.05)
+    b = threading.Thread(target=run, args=("b", KEY_B))
+    b.start()  # the same rid, another tenant: not a 409
+    while server.info(**_auth(KEY_A))["requests"]["running"] < 2:
+        assert time.monotonic() < deadline and "b" not in results, results.get("b")
+        time.sleep(0.05)
+    for body in ({"rid": "shared-rid"}, {"abort_all": True}):
+        r = httpx.post(server.url + "/abort_request", json=body, headers=_auth(KEY_C))
+        assert r.status_code == 200 and r.json() == {"aborted": 0}, (body, r.text)
+    r = httpx.post(server.url + "/abort_request", json={"rid": "shared-rid"}, headers=_auth(KEY_A2))
+    assert r.json() == {"aborted": 1}  # tenant-a's other key: A's request
+    a.join(60)
+    assert results["a"]["meta_info"]["finish_reason"]["type"] == "abort", results["a"]
+    r = httpx.post(server.url + "/abort_request", json={"abort_all": True}, headers=_auth(KEY_B))
+    assert r.json() == {"aborted": 1}
+    b.join(60)
+    assert results["b"]["meta_info"]["finish_reason"]["type"] == "abort", results["b"]

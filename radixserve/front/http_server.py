@@ -310,7 +310,8 @@ async def abort_request(request: Request) -> Response:
     """SGLang's `/abort_request`: `{"rid": ...}` (the rid the caller gave; every sample of
     that request) or `{"abort_all": true}`. The aborted requests finish with
     `finish_reason.type == "abort"`; `aborted` counts the requests found in flight (0 for an
-    unknown or finished rid, which is not an error)."""
+    unknown or finished rid, which is not an error). With --api-key-file, only the caller's
+    tenant's requests."""
     state = _state(request)
     body = await read_json(request, state.config.max_body_bytes)
     rid, abort_all = body.get("rid"), body.get("abort_all", False)
@@ -319,7 +320,8 @@ async def abort_request(request: Request) -> Response:
     if not abort_all and (not isinstance(rid, str) or not rid):
         raise InvalidRequest("give `rid` (a request id) or `abort_all: true`", param="rid")
     manager = state.get_manager()
-    aborted = manager.abort_all() if abort_all else int(manager.abort(rid))
+    tenant = request.scope.get(SCOPE_KEY)  # --api-key-file: a tenant aborts only its own requests
+    aborted = manager.abort_all(tenant) if abort_all else int(manager.abort(rid, tenant))
     return JSONResponse({"aborted": aborted})
 
 

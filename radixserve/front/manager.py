@@ -99,7 +99,9 @@ class TokenizerManager:
         self._to_scheduler.connect(endpoints.front_to_scheduler)
         self._encoder = msgspec.msgpack.Encoder()
         self._queues: dict[int, asyncio.Queue] = {}  # internal id -> that submission's outputs
-        self._live: dict[str, int] = {}  # caller's rid -> internal id, while in flight
+        # (tenant, caller's rid) -> internal id, while in flight: with --api-key-file each tenant's
+        # rids are its own, so one tenant can neither see (409) nor abort another's requests
+        self._live: dict[tuple[str | None, str], int] = {}
         self._ids = itertools.count()
         self._replies: dict[int, asyncio.Future] = {}
         self._req_ids = itertools.count()
@@ -166,24 +168,25 @@ class TokenizerManager:
     async def flush_cache(self, timeout: float = 30.0) -> FlushCacheDone:
         return await self._ask(FlushCache, timeout)
 
-    def check_rids_free(self, rids: list[str]) -> None:
+    def check_rids_free(self, rids: list[str], tenant: str | None = None) -> None:
         """Raise `RidInUse` before anything is sent, so a batch is refused whole; `generate`
         checks again for itself."""
         for rid in rids:
-            if rid in self._live:
+            if (tenant, rid) in self._live:
                 raise RidInUse(rid)
 
-    def abort(self, rid: str) -> bool:
-        """Abort every sample of the request in flight labelled `rid`; False if there is none."""
-        internal = self._live.get(rid)
+    def abort(self, rid: str, tenant: str | None = None) -> bool:
+        """Abort every sample of the tenant's request in flight labelled `rid`; False if there
+        is none."""
+        internal = self._live.get((tenant, rid))
         if internal is None:
             return False
         self._abort(internal)
         return True
 
-    def abort_all(self) -> int:
-        """Abort every request in flight; returns how many."""
-        internal = list(self._live.values())
+    def abort_all(self, tenant: str | None = None) -> int:
+        """Abort every request in flight (only the tenant's, given one); returns how many."""
+        internal = [i for (t, _), i in self._live.items() if tenant is None or t == tenant]
         for i in internal:
             self._abort(i)
         return len(internal)
@@ -207,7 +210,8 @@ class TokenizerManager:
         `meta_info.finish_reason` set. Cancelling the consumer aborts the request."""
         if self._dead:
             raise EngineDead(self._dead)
-        if req.rid in self._live:
+        live_key = (req.tenant, req.rid)
+        if live_key in self._live:
             raise RidInUse(req.rid)
         start = time.monotonic()
         prompt = PromptLogprobs()  # computed once, shared by the samples
@@ -215,7 +219,7 @@ class TokenizerManager:
         internal = next(self._ids)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[internal] = queue
-        self._live[req.rid] = internal
+        self._live[live_key] = internal
         finished = False
         try:
             self._send(
@@ -234,7 +238,7 @@ class TokenizerManager:
                 yield self._result(req, state, item.index, start)
             finished = True
         finally:
-            del self._queues[internal], self._live[req.rid]
+            del self._queues[internal], self._live[live_key]
             if not finished:
                 self._abort(internal)
 

@@ -98,7 +98,7 @@ class ServerState:
         if self.tenants_on and any(r.tenant is None for r in requests):
             # fail closed: a route that forgot `tenants.scope_requests` would share a namespace
             raise RuntimeError("a request without a tenant on a server with --api-key-file")
-        manager.check_rids_free([r.rid for r in requests])
+        manager.check_rids_free([r.rid for r in requests], requests[0].tenant if requests else None)
         offsets = list(itertools.accumulate((r.sampling.n for r in requests), initial=0))
         streams = [manager.generate(r) for r in requests]
         async with aclosing(merge(streams)) as merged:
