@@ -169,7 +169,8 @@ def _add_pad(draw: Any, target: Target, req: FuzzRequest, size: int, tags: list[
 
 def draw_plan(target: Target, count: int, seed: int = 0) -> list[FuzzRequest]:
     """`count` requests drawn by hypothesis from `fuzz_requests`, the same ones for the same
-    seed (and hypothesis version). Clients' modes and plain clients' kinds of request are dealt
+    seed, hypothesis version and program (`python -m bench.fuzz` always draws the same plan;
+    another process that has imported other modules may draw another one). Clients' modes and plain clients' kinds of request are dealt
     in the proportions of `MODES` and `KINDS` (at least one of each in a plan of 100 or more) and
     shuffled: hypothesis leans towards some choices, which would leave the rare ones out."""
     plan = []
