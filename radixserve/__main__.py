@@ -76,7 +76,8 @@ HELP = {
     "or from its first byte; a slower connection is closed",
     "body_timeout": "seconds a client has to send a request's body once its headers are in; a "
     "slower one gets 408 and the connection is closed",
-    "shutdown_timeout": "on SIGINT/SIGTERM, seconds in-flight requests get to finish",
+    "shutdown_timeout": "on SIGINT/SIGTERM, seconds in-flight requests get to finish (new ones get 503 "
+    "meanwhile); then, or at a second signal, the rest fail",
     "tool_call_parser": "the format the model writes tool calls in (/v1/chat/completions with tools): "
     "hermes (qwen is the same) or llama3; auto picks llama3 for a chat template that mentions "
     "<|python_tag|> or ipython, else hermes",
@@ -175,6 +176,7 @@ def serve(config: ServerConfig) -> int:
     import uvicorn
 
     from radixserve.front.connection import deadline_protocol
+    from radixserve.front.drain import ERROR_GRACE_S, DrainingServer
     from radixserve.front.http_server import create_app
     from radixserve.front.tokenizer import load_tokenizer
     from radixserve.launch import Backend, StartupError
@@ -193,11 +195,11 @@ def serve(config: ServerConfig) -> int:
             pin_current_process(backend.placement.service_cpus)
         app = create_app(config, backend, ready, load_tokenizer(ready.model_path))
         _log_ready(config, ready, backend.placement.describe())
-        server = uvicorn.Server(uvicorn.Config(
+        server = DrainingServer(uvicorn.Config(
             app, log_level=config.log_level, lifespan="on",
             http=deadline_protocol(config.header_timeout, config.body_timeout),
-            timeout_graceful_shutdown=max(1, round(config.shutdown_timeout)),
-        ))
+            timeout_graceful_shutdown=ERROR_GRACE_S,  # the drain itself takes --shutdown-timeout
+        ), app.state.server, config.shutdown_timeout)
         signals.uvicorn_running = True
         server.run(sockets=[sock])
     except KeyboardInterrupt:

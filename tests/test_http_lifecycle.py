@@ -88,6 +88,48 @@ def test_signal_drains_in_flight_requests_and_exits_without_orphans(tiny_dir, tm
     assert "stopped" in server.log()
 
 
+def test_sigterm_refuses_new_requests_with_503_while_the_stream_in_flight_finishes(tiny_dir, tmp_path):
+    server = _start(tiny_dir, tmp_path, "--shutdown-timeout", "60")
+    thread, result = _stream_in_thread(server.url, {"text": "hello", "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}})
+    _wait_for(lambda: result["events"], 30, "the first streamed token")
+    server.proc.send_signal(signal.SIGTERM)
+    _wait_for(lambda: "draining" in server.log(), 10, "the drain to start")
+    assert not result.get("done"), "the stream ended before the test could send a request during the drain"
+    r = httpx.post(server.url + "/generate", json={"text": "hi"}, timeout=10)
+    assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+    assert r.json()["error"]["code"] == "shutting_down"
+    health = httpx.get(server.url + "/health", timeout=10)
+    assert health.status_code == 503 and "shutting down" in health.json()["reason"]
+    assert server.proc.poll() is None, "the server exited while a request was in flight"
+    server.proc.wait(60)  # no second signal: server.stop() sends none to an exited process
+    assert server.stop() == 0, server.log()
+    thread.join(10)
+    assert result["status"] == 200 and result["done"], result
+    final = result["events"][-1].get("meta_info")
+    assert final is not None, (result["events"][-1], server.log()[-3000:])
+    assert final["finish_reason"]["type"] == "length" and final["completion_tokens"] == 1500, final
+
+
+@pytest.mark.parametrize("how", ["second_signal", "timeout"])
+def test_a_second_signal_or_the_timeout_ends_the_drain_with_an_error_to_the_clients_left(tiny_dir, tmp_path, how):
+    server = _start(tiny_dir, tmp_path, "--shutdown-timeout", "60" if how == "second_signal" else "1")
+    thread, result = _stream_in_thread(server.url, {"text": "hello", "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}})
+    _wait_for(lambda: result["events"], 30, "the first streamed token")
+    server.proc.send_signal(signal.SIGTERM)
+    _wait_for(lambda: "draining" in server.log(), 10, "the drain to start")
+    if how == "second_signal":
+        server.proc.send_signal(signal.SIGTERM)
+    started = time.monotonic()
+    server.proc.wait(30)
+    assert server.stop() == 0, server.log()
+    assert time.monotonic() - started < 20
+    thread.join(10)
+    assert result["status"] == 200 and result["done"], result
+    error = result["events"][-1]["error"]
+    expected = "a second signal" if how == "second_signal" else "--shutdown-timeout (1 s) passed"
+    assert "the server is shutting down" in error["message"] and expected in error["message"], error
+
+
 def test_hung_then_killed_worker(tiny_dir, tmp_path):
     server = _start(tiny_dir, tmp_path, "--health-timeout", "2")
     worker = server.info()["pids"]["worker"]

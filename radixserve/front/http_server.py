@@ -117,6 +117,7 @@ def create_app(config: ServerConfig, backend: Backend, ready: SchedulerReady, to
         state.tenants_on = True
     elif config.api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(DrainMiddleware, state=state)  # outermost: counts and refuses before anything
     return app
 
 
@@ -191,6 +192,37 @@ class APIKeyMiddleware:
             assert self._digest is not None
             tenant = "" if hmac.compare_digest(hashlib.sha256(token).digest(), self._digest) else None
         return tenant if scheme.lower() == b"bearer" else None
+
+
+class DrainMiddleware:
+    """Counts the HTTP requests in progress (`ServerState.in_flight`, what a graceful drain waits
+    for) and, once the server drains (`ServerState.draining`, set on SIGTERM), answers every new
+    request with 503 + Retry-After instead of starting it: the listener stays open meanwhile, so
+    a client or load balancer is told to go elsewhere rather than refused a connection."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.state.draining:
+            headers = {"Retry-After": "1"}
+            if scope["path"] == "/health":
+                response = JSONResponse({"status": "unhealthy", "reason": "the server is shutting down"},
+                                        status_code=503, headers=headers)
+            else:
+                response = HTTPError(503, "the server is shutting down; retry on another replica or later",
+                                     code="shutting_down", headers=headers).response()
+            await response(scope, receive, send)
+            return
+        self.state.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.state.in_flight -= 1
 
 
 # ---------------------------------------------------------------------- health, metrics, admin

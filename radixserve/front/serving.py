@@ -54,6 +54,8 @@ class ServerState:
     manager: TokenizerManager | None = None
     health_probe: asyncio.Future[str | None] | None = None  # the one-token probe /health runs when idle
     tenants_on: bool = False  # --api-key-file: every request must carry its key's tenant
+    draining: bool = False  # SIGTERM: new requests get 503 while those in flight finish
+    in_flight: int = 0  # HTTP requests in progress (DrainMiddleware), what a drain waits for
 
     def __post_init__(self) -> None:
         self.limits = request_limits(self.config, self.ready, self.tokenizer)
