@@ -25,6 +25,17 @@ AARCH64_CC = "aarch64-linux-gnu-gcc"
 def cpu(monkeypatch):
     """Pretend to be a CPU with the given /proc/cpuinfo flags on the given architecture."""
 
+    # a forced tier writes torch's caps into os.environ (setdefault). Record each one's state
+    # with monkeypatch so that teardown puts it back: `delenv` of an absent name records nothing,
+    # hence setenv first. A leaked ONEDNN_MAX_CPU_ISA made later bf16 servers of this test
+    # process refuse to pack their weights.
+    for name in {n for caps in isa._TORCH_CAPS.values() for n in caps}:
+        if name in os.environ:
+            monkeypatch.setenv(name, os.environ[name])
+        else:
+            monkeypatch.setenv(name, "")
+            monkeypatch.delenv(name)
+
     def pretend(flags: str, machine: str = "x86_64") -> None:
         monkeypatch.setattr(isa, "cpu_flags", lambda: frozenset(flags.split()))
         monkeypatch.setattr(isa.platform, "machine", lambda: machine)

@@ -5,6 +5,10 @@ where."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -155,3 +159,21 @@ def test_packed_model_gives_the_same_logits(tiny_model_dirs, name, dtype):
         assert torch.equal(outputs[0], outputs[1])
     else:  # bf16: a sum that lands next to a rounding boundary can round the other way
         assert (outputs[0] - outputs[1]).abs().max() < (0.1 if dtype == torch.bfloat16 else 1e-5)
+
+
+def test_a_user_cap_below_avx512_on_onednn_leaves_bf16_layers_unpacked(monkeypatch):
+    """ONEDNN_MAX_CPU_ISA set by the user below AVX-512 makes oneDNN refuse bf16 packing on a
+    CPU that has it: the model still loads, its layers unpacked (a warning, not a crash)."""
+    _skip_unless_onednn_packs_bf16()
+    code = (
+        "import torch\n"
+        "from radixserve.models import packed_linear as p\n"
+        "w = torch.randn(64, 96).bfloat16()\n"
+        "assert p.packed_linear(w, None) is None and p.packed_linear(w, None) is None and p._ONEDNN_REFUSED\n"
+        "x = torch.randn(3, 96).bfloat16()\n"
+        "print('ok', torch.nn.functional.linear(x, w).shape)\n"
+    )
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
+    assert "oneDNN refused to pack bf16 weights" in out.stderr

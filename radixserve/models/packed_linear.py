@@ -17,11 +17,15 @@ weight is also the embedding table. CUDA keeps nn.Linear: its kernels read the w
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
 from radixserve.kernels import cpu as cpu_kernels
 from radixserve.kernels import isa
+
+log = logging.getLogger("radixserve.worker")
 
 # oneDNN picks its blocked layout for this many rows; it serves any row count
 PACK_BATCH_HINT = 32
@@ -68,14 +72,27 @@ def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> PackedLine
     if cpu_kernels.linear_serves(weight.dtype, weight.shape[1]):
         return PanelLinear(weight, bias)
     if weight.dtype == torch.bfloat16 and onednn_packs():
-        return OneDNNLinear(weight, bias)
+        try:
+            return OneDNNLinear(weight, bias)
+        except RuntimeError as exc:  # e.g. ONEDNN_MAX_CPU_ISA set below AVX-512 by the user
+            _onednn_refused(exc)
     return None
+
+
+def _onednn_refused(exc: RuntimeError) -> None:
+    """Say once that oneDNN would not pack, and stop asking it: nn.Linear stays, slower."""
+    global _ONEDNN_REFUSED
+    _ONEDNN_REFUSED = True
+    log.warning("oneDNN refused to pack bf16 weights (%s); linear layers stay unpacked", exc)
+
+
+_ONEDNN_REFUSED = False
 
 
 def onednn_packs() -> bool:
     """oneDNN packs bf16 weights from the avx512 tier up (below it torch refuses: its bf16 path
     needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)."""
-    return (isa.at_least(isa.Tier.AVX512) and torch.backends.mkldnn.is_available()
+    return (not _ONEDNN_REFUSED and isa.at_least(isa.Tier.AVX512) and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
