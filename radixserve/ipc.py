@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 import msgspec
+import setproctitle
 import zmq
 
 T = TypeVar("T")
@@ -110,11 +111,15 @@ def die_with_parent() -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def start_child(log_level: str) -> zmq.Context:
+def start_child(log_level: str, title: str) -> zmq.Context:
     """Common start of the scheduler and worker processes; returns their ZMQ context.
 
     Children die with their parent and leave Ctrl-C to it (the parent shuts them down in order).
+    Each names itself (`radixserve::scheduler`, `radixserve::worker`, as SGLang's
+    `sglang::scheduler`): spawned children are otherwise indistinguishable Python processes in
+    `ps` and `top`.
     """
+    setproctitle.setproctitle(title)
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -76,6 +76,9 @@ def test_signal_drains_in_flight_requests_and_exits_without_orphans(tiny_dir, tm
     pids = server.info()["pids"]
     children = children_of(server.proc.pid)
     assert {pids["scheduler"], pids["worker"]} <= set(children)
+    # the children name themselves, for ps and top
+    titles = {role: Path(f"/proc/{pids[role]}/cmdline").read_bytes().split(b"\0")[0].decode() for role in ("scheduler", "worker")}
+    assert titles == {"scheduler": "radixserve::scheduler", "worker": "radixserve::worker"}, titles
     thread, result = _stream_in_thread(server.url, {"text": "hello", "sampling_params": {"max_new_tokens": 40, "ignore_eos": True}})
     _wait_for(lambda: result["events"], 30, "the first streamed token")
     assert server.stop(sig) == 0, server.log()

@@ -38,7 +38,7 @@ class WorkerDied(RuntimeError):
 
 
 def run_scheduler(config: ServerConfig, endpoints: Endpoints) -> None:
-    ctx = start_child(config.log_level)
+    ctx = start_child(config.log_level, "radixserve::scheduler")
     from_front: Receiver = Receiver(ctx, endpoints.front_to_scheduler, bind=True, msg_type=FrontToScheduler)
     to_front = Sender(ctx, endpoints.scheduler_to_front, bind=False)
     from_worker: Receiver = Receiver(ctx, endpoints.worker_to_scheduler, bind=True, msg_type=WorkerToScheduler)

@@ -19,7 +19,7 @@ def run_worker(config: ServerConfig, endpoints: Endpoints, placement: Placement 
     thread starts or torch loads, so every pool the forward uses is on the worker's cores."""
     if placement is not None:
         pin_worker(placement)
-    ctx = start_child(config.log_level)
+    ctx = start_child(config.log_level, "radixserve::worker")
     inbox: Receiver = Receiver(ctx, endpoints.scheduler_to_worker, bind=True, msg_type=SchedulerToWorker)
     outbox = Sender(ctx, endpoints.worker_to_scheduler, bind=False)
     try:
