@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import msgspec
 import zmq
@@ -61,8 +63,9 @@ class Backend:
 
     def start(self) -> SchedulerReady:
         """Start both processes and wait until the model is loaded. Raises StartupError."""
-        self.worker.start()  # pins itself (run_worker), every thread, before torch loads
-        start_pinned(self.scheduler, self.placement.service_cpus)
+        with _main_module_hidden():
+            self.worker.start()  # pins itself (run_worker), every thread, before torch loads
+            start_pinned(self.scheduler, self.placement.service_cpus)
         deadline = time.monotonic() + self.config.startup_timeout
         decoder = msgspec.msgpack.Decoder(SchedulerReady)
         while time.monotonic() < deadline:
@@ -119,3 +122,35 @@ class Backend:
             if p.pid is not None and p.is_alive():
                 p.kill()
                 p.join(2)
+
+
+_MAIN_LOCK = threading.Lock()
+
+
+@contextmanager
+def _main_module_hidden() -> Iterator[None]:
+    """Start spawned children without re-running the parent's `__main__`.
+
+    multiprocessing's spawn re-imports the parent's main script in each child (as `__mp_main__`),
+    for functions pickled from it. Ours are radixserve's own, so there is nothing to find there,
+    and re-running a user's script that builds an `Engine` at top level would make each child
+    start an Engine of its own ("An attempt has been made to start a new process before the
+    current process has finished its bootstrapping phase"). While the children start, `__main__`
+    shows neither a file nor a spec, so spawn sends no main to re-import: such a script works
+    as written, without an `if __name__ == "__main__":` guard.
+    """
+    main = sys.modules["__main__"]
+    missing = object()
+    with _MAIN_LOCK:
+        saved = {name: main.__dict__.get(name, missing) for name in ("__file__", "__spec__")}
+        main.__dict__.pop("__file__", None)
+        main.__spec__ = None
+        try:
+            yield
+        finally:
+            for name, value in saved.items():
+                if value is missing:
+                    main.__dict__.pop(name, None)
+                else:
+                    main.__dict__[name] = value
+

@@ -4,6 +4,11 @@ chunked prefill, page sizes 1 and 16, and cache hits."""
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -69,3 +74,16 @@ def test_dtype_auto_is_bf16_here_and_stays_sane(chat_prompts, hf_outputs):
     assert "Paris" in outs[0]["text"]
     agree = [o["output_ids"][:4] == ref[:4] for o, ref in zip(outs, hf_outputs)]
     assert sum(agree) >= 4, [o["text"] for o in outs]
+
+
+def test_the_readme_engine_example_runs_as_a_script(tmp_path):
+    """Saved to a file and run, the README's Engine example works as written: no
+    `if __name__ == "__main__":` guard, since the spawned children do not re-run the script."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    example = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "from radixserve import Engine" in b)
+    assert "__main__" not in example
+    script = tmp_path / "example.py"
+    script.write_text(example)
+    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "'completion_tokens': 16" in out.stdout, out.stdout
