@@ -22,8 +22,6 @@ parse, call the front library, shape the answer.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import logging
 import os
 import time
@@ -113,10 +111,10 @@ def create_app(config: ServerConfig, backend: Backend, ready: SchedulerReady, to
     if config.api_key_file is not None:
         tenants = load_api_key_file(config.api_key_file)
         state.metrics.add_tenants(tenants.names)
-        app.add_middleware(APIKeyMiddleware, tenants=tenants)
+        app.add_middleware(APIKeyMiddleware, keys=tenants, per_tenant=True)
         state.tenants_on = True
     elif config.api_key is not None:
-        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+        app.add_middleware(APIKeyMiddleware, keys=Tenants.single(config.api_key), per_tenant=False)
     app.add_middleware(DrainMiddleware, state=state)  # outermost: counts and refuses before anything
     return app
 
@@ -158,13 +156,14 @@ class APIKeyMiddleware:
     (digests of equal length, so not even the key's length leaks). /health_generate, which
     may run a one-token request, needs the key.
 
-    With `tenants` (--api-key-file), any of the file's keys is accepted and its tenant is left in
-    the scope (`tenants.SCOPE_KEY`) for the routes to derive the request's cache namespace."""
+    `keys` holds the single --api-key, or the keys of --api-key-file; with `per_tenant` (the
+    file) the key's tenant is left in the scope (`tenants.SCOPE_KEY`) for the routes to derive
+    the request's cache namespace."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None = None, tenants: Tenants | None = None) -> None:
+    def __init__(self, app: ASGIApp, keys: Tenants, per_tenant: bool) -> None:
         self.app = app
-        self._digest = hashlib.sha256(api_key.encode()).digest() if api_key is not None else None
-        self._tenants = tenants
+        self._keys = keys
+        self._per_tenant = per_tenant
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] == "/health":
@@ -172,7 +171,7 @@ class APIKeyMiddleware:
             return
         tenant = self._authorize(scope)
         if tenant is not None:
-            if self._tenants is not None:
+            if self._per_tenant:
                 scope[SCOPE_KEY] = tenant
             await self.app(scope, receive, send)
             return
@@ -185,12 +184,7 @@ class APIKeyMiddleware:
         """The tenant of the request's key ("" for the single --api-key), or None: refused."""
         value = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
         scheme, _, token = value.partition(b" ")
-        token = token.strip()
-        if self._tenants is not None:
-            tenant = self._tenants.lookup(token)
-        else:
-            assert self._digest is not None
-            tenant = "" if hmac.compare_digest(hashlib.sha256(token).digest(), self._digest) else None
+        tenant = self._keys.lookup(token.strip())
         return tenant if scheme.lower() == b"bearer" else None
 
 

@@ -39,6 +39,11 @@ class Tenants:
 
     digests: tuple[tuple[bytes, str], ...]
 
+    @classmethod
+    def single(cls, key: str) -> Tenants:
+        """The single --api-key: one key, of the unnamed shared tenant ("")."""
+        return cls(((hashlib.sha256(key.encode()).digest(), ""),))
+
     @property
     def names(self) -> frozenset[str]:
         return frozenset(name for _, name in self.digests)
