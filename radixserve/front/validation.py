@@ -150,7 +150,10 @@ def _grammar(raw: Mapping[str, Any], limits: Limits) -> Grammar | None:
         )
     kind = given[0]
     value = raw[kind]
-    if isinstance(value, dict) and kind in ("json_schema", "structural_tag"):
+    is_json = kind in ("json_schema", "structural_tag")
+    parsed: Any = None
+    if isinstance(value, dict) and is_json:
+        parsed = value
         try:
             value = json.dumps(value)  # an object is taken as the JSON it spells
         except RecursionError:
@@ -161,13 +164,14 @@ def _grammar(raw: Mapping[str, Any], limits: Limits) -> Grammar | None:
         raise InvalidRequest(f"{kind} must not be empty", kind)
     if len(value) > limits.max_grammar_chars:
         raise InvalidRequest(f"{kind} has {len(value)} characters; at most {limits.max_grammar_chars}", kind)
-    if kind in ("json_schema", "structural_tag"):
-        try:
-            parsed = json.loads(value)
-        except ValueError as exc:
-            raise InvalidRequest(f"{kind} is not valid JSON: {exc}", kind) from None
-        except RecursionError:
-            raise InvalidRequest(f"{kind} is nested too deeply", kind) from None
+    if is_json:
+        if parsed is None:  # given as text: it must parse
+            try:
+                parsed = json.loads(value)
+            except ValueError as exc:
+                raise InvalidRequest(f"{kind} is not valid JSON: {exc}", kind) from None
+            except RecursionError:
+                raise InvalidRequest(f"{kind} is nested too deeply", kind) from None
         if not isinstance(parsed, (dict, bool)) or (kind == "structural_tag" and not isinstance(parsed, dict)):
             raise InvalidRequest(f"{kind} must be a JSON object, got {_json_type(parsed)}", kind)
     return Grammar(kind, value)
