@@ -185,33 +185,44 @@ def test_a_replica_killed_mid_run_does_not_fail_later_requests(fresh_cluster):
     replicas, router = fresh_cluster
     # a long stream, in flight on one replica when it is killed
     body = {"text": DOC, "stream": True, "sampling_params": {"max_new_tokens": 900, "ignore_eos": True}}
-    outcome: dict[str, object] = {}
+    outcome: dict[str, object] = {"lines": []}
+    streaming = threading.Event()  # set on the first token event: the replica has sent its headers
 
     def stream() -> None:
         try:
             with httpx.stream("POST", router.url + "/generate", json=body, timeout=120) as r:
                 outcome["status"] = r.status_code
-                outcome["lines"] = list(r.iter_lines())
+                for line in r.iter_lines():
+                    outcome["lines"].append(line)
+                    if line.startswith("data: {"):
+                        streaming.set()
         except httpx.HTTPError as exc:
             outcome["error"] = exc
+        finally:
+            streaming.set()
 
     reader = threading.Thread(target=stream)
     reader.start()
-    deadline = time.monotonic() + 60
+    # Kill only once tokens flow. Killed before its first byte (still queued or in prefill), the
+    # request is one the router may retry on the survivor, which then streams it whole: that is
+    # the router doing its job, and it would say nothing about a replica dying mid-stream.
+    assert streaming.wait(60), "the long request never started"
+    assert reader.is_alive(), f"the stream ended before the kill: {outcome}"
+    deadline = time.monotonic() + 30
     victim = None
     while victim is None and time.monotonic() < deadline:
         victim = next((r for r in replicas if _running(r.url)), None)
-        time.sleep(0.05)
-    assert victim is not None, "the long request never started"
+        time.sleep(0.02)
+    assert victim is not None, "no replica reports the streaming request"
     survivor = next(r for r in replicas if r is not victim)
     family = [victim.proc.pid, *children_of(victim.proc.pid)]
     os.kill(victim.proc.pid, signal.SIGKILL)  # no shutdown: the worst case for the router
     assert not wait_gone(family), "the killed replica left processes behind"
     reader.join(120)
     assert not reader.is_alive()
-    if "lines" in outcome:  # the stream that was on it ends (an error event, or cut short), never hangs
-        events, _ = sse_events([ln for ln in outcome["lines"] if ln.startswith("data: [DONE]") or ln.startswith("data: {")])
-        assert not events or events[-1].get("meta_info", {}).get("completion_tokens", 0) < 900
+    # the stream that was on it ends (an error event, or cut short), never hangs
+    events, _ = sse_events([ln for ln in outcome["lines"] if ln.startswith(("data: [DONE]", "data: {"))])
+    assert events and events[-1].get("meta_info", {}).get("completion_tokens", 0) < 900
 
     # every later request succeeds, at once (retried on the survivor) and after the health check
     with openai.OpenAI(base_url=router.url + "/v1", api_key="none", max_retries=0, timeout=120) as client:
