@@ -80,11 +80,28 @@ def test_seed_reproduces_regardless_of_batch_neighbours():
     b = Sampler(V).sample(logits, [s1, s2]).token_ids[0]
     assert a == [a[0]] * 3 and b == a[0]
     # successive draws of one seeded request follow its own generator
-    state = _state(temperature=1.0, seed=7)
-    draws = [Sampler(V).sample(logits[:1], [state]).token_ids[0] for _ in range(20)]
-    state2 = _state(temperature=1.0, seed=7)
-    assert draws == [Sampler(V).sample(logits[:1], [state2]).token_ids[0] for _ in range(20)]
+    draws = _draws(_state(temperature=1.0, seed=7), logits[:1], 20)
+    assert draws == _draws(_state(temperature=1.0, seed=7), logits[:1], 20)
     assert len(set(draws)) > 1
+
+
+def _draws(state: SamplingState, logits: torch.Tensor, steps: int) -> list[int]:
+    """`steps` tokens of one sample, each appended to its outputs as the worker does."""
+    sampler = Sampler(V)
+    for _ in range(steps):
+        state.output_ids.append(sampler.sample(logits, [state]).token_ids[0])
+    return state.output_ids
+
+
+def test_a_seeded_sample_resumed_with_its_tokens_continues_the_same_sequence():
+    """After an engine restart the worker gets a sample's tokens so far (NewRequest.output_ids):
+    its next draws are those it would have made without the restart."""
+    logits = _logits(5)
+    whole = _draws(_state(temperature=1.0, seed=11), logits, 30)
+    resumed = SamplingState(SamplingParams(temperature=1.0, seed=11), prompt_ids=[], output_ids=whole[:12])
+    assert _draws(resumed, logits, 18) == whole
+    other = _draws(_state(temperature=1.0, seed=12), logits, 30)
+    assert other != whole
 
 
 def test_repetition_penalty_changes_greedy_choice():

@@ -21,14 +21,33 @@ class SamplingState:
 
     params: SamplingParams
     prompt_ids: list[int]
-    output_ids: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)  # sampled so far (a resumed sample's too)
     top_logprobs_num: int = 0
-    generator: torch.Generator | None = None
     return_logprob: bool = True  # False: skip the log-softmax over the vocabulary for this row
+    _generator: torch.Generator | None = field(default=None, init=False, repr=False)
 
-    def __post_init__(self) -> None:
-        if self.params.seed is not None and self.generator is None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
+    def generator(self) -> torch.Generator | None:
+        """The request's generator for its next token, or None (no seed: the shared one).
+
+        A seeded sample's draws depend only on (seed, step), step being the number of tokens
+        it sampled before: a sample resumed on a fresh engine after a crash, with its tokens so
+        far, continues the very sequence it would have sampled without the crash.
+        """
+        if self.params.seed is None:
+            return None
+        if self._generator is None:
+            self._generator = torch.Generator()
+        return self._generator.manual_seed(step_seed(self.params.seed, len(self.output_ids)))
+
+
+def step_seed(seed: int, step: int) -> int:
+    """A 64-bit seed for draw `step` of a sample seeded `seed` (splitmix64 of the pair), so
+    neighbouring seeds and steps give unrelated streams."""
+    mask = (1 << 64) - 1
+    z = (seed * 0x9E3779B97F4A7C15 + step * 0xD1B54A32D192ED03 + 0x632BE59BD9B4E019) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return z ^ (z >> 31)
 
 
 @dataclass(frozen=True)
@@ -177,7 +196,7 @@ class Sampler:
         probs_sorted = probs_sorted * keep
         picked = torch.empty(len(states), dtype=torch.int64, device=device)
         for i, s in enumerate(states):
-            gen = s.generator or self._shared_generator
+            gen = s.generator() or self._shared_generator
             # exponential race: argmax(p / E) with E ~ Exp(1) draws index j with probability p_j.
             # The noise comes from the request's CPU generator on every device, so a seed gives
             # the same draws on CPU and CUDA (a device-side sampler would be faster on CUDA).
