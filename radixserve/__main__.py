@@ -60,6 +60,10 @@ HELP = {
     "grammar_compile_timeout": "seconds a constrained request (json_schema, regex, ebnf, structural_tag, "
     "tools) waits for its grammar to compile; beyond it the request gets 400",
     "startup_timeout": "seconds the model may take to load",
+    "max_restarts": "when the scheduler or worker dies, start fresh ones and resume every request in "
+    "flight, up to this many times within --restart-window; past that, requests fail with 503 and "
+    "the server exits non-zero (0: no restarts)",
+    "restart_window": "seconds over which --max-restarts counts restarts",
     "num_threads": "threads of the worker's forward (torch, oneDNN and the CPU kernels' OpenMP pools); "
     "default: one per --cpu-affinity core, else torch's default",
     "cpu_affinity": "pin the worker to these cores, e.g. 0-15 or 0,2,4-7 (replicas sharing a machine); "
@@ -189,17 +193,19 @@ def serve(config: ServerConfig) -> int:
         signal.signal(sig, signals)
     log.info("loading %s ...", config.model)
     backend = Backend(config)
+    state = None  # the app's ServerState, once it exists
     try:
         ready = backend.start()
         if backend.placement.service_cpus is not None:  # the front keeps off the worker's cores
             pin_current_process(backend.placement.service_cpus)
         app = create_app(config, backend, ready, load_tokenizer(ready.model_path))
+        state = app.state.server
         _log_ready(config, ready, backend.placement.describe())
         server = DrainingServer(uvicorn.Config(
             app, log_level=config.log_level, lifespan="on",
             http=deadline_protocol(config.header_timeout, config.body_timeout),
             timeout_graceful_shutdown=ERROR_GRACE_S,  # the drain itself takes --shutdown-timeout
-        ), app.state.server, config.shutdown_timeout)
+        ), state, config.shutdown_timeout)
         signals.uvicorn_running = True
         server.run(sockets=[sock])
     except KeyboardInterrupt:
@@ -211,6 +217,9 @@ def serve(config: ServerConfig) -> int:
         signals.uvicorn_running = False
         backend.stop()
         sock.close()
+    if state is not None and (lost := state.engine_lost) is not None:
+        log.error("stopped: the engine could not be restarted (%s)", lost)
+        return 1
     log.info("stopped")
     return 0
 

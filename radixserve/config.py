@@ -41,6 +41,9 @@ class ServerConfig:
     debug_checks: bool = False  # cross-check page accounting after every step
     grammar_compile_timeout: float = 5.0  # seconds a request waits for its grammar, then 400
     startup_timeout: float = 300.0
+    # recovery (front/recovery.py): a dead scheduler or worker is restarted, its requests resumed
+    max_restarts: int = 3  # restarts allowed within restart_window; 0: a crash fails everything
+    restart_window: float = 300.0  # seconds
     # CPU placement (radixserve/placement.py): replicas sharing a machine pin their workers apart
     num_threads: int | None = None  # the worker's thread pools; None: one per --cpu-affinity core, else torch's default
     cpu_affinity: str | None = None  # the worker's cores, e.g. "0-15" or "0,2,4-7"; None: not pinned
@@ -80,7 +83,9 @@ class ServerConfig:
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         _at_least("max_body_bytes", self.max_body_bytes, 1)
-        for name in ("grammar_compile_timeout", "health_timeout", "header_timeout", "body_timeout", "shutdown_timeout", "startup_timeout"):
+        _at_least("max_restarts", self.max_restarts, 0)
+        for name in ("grammar_compile_timeout", "health_timeout", "header_timeout", "body_timeout", "shutdown_timeout",
+                     "startup_timeout", "restart_window"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.api_key is not None and not self.api_key:

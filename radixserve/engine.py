@@ -19,6 +19,7 @@ from typing import Any
 from radixserve.config import ServerConfig
 from radixserve.front.inputs import build_requests
 from radixserve.front.manager import GenerateRequest, RequestFailed, TokenizerManager
+from radixserve.front.recovery import BackendEvents
 from radixserve.front.serving import request_limits
 from radixserve.front.tokenizer import load_tokenizer
 from radixserve.launch import Backend
@@ -42,7 +43,9 @@ class Engine:
             self._thread.start()
             self.manager = TokenizerManager(self._backend.endpoints, self.ready, self.tokenizer)
             self._call(self._start_manager())
-            self._backend.watch(lambda reason: self._loop.call_soon_threadsafe(self.manager.fail_all, reason))
+            # a crashed engine restarts and its requests resume (front/recovery.py); past
+            # --max-restarts they fail with RequestFailed
+            self._backend.watch(BackendEvents(self.manager, self._loop))
         except BaseException:
             self.shutdown()
             raise

@@ -7,8 +7,10 @@ import multiprocessing as mp
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections import deque
+from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Protocol
 
 import msgspec
 import zmq
@@ -28,10 +30,45 @@ class StartupError(RuntimeError):
     pass
 
 
+class EngineEvents(Protocol):
+    """What the watchdog tells the front, from the watchdog's thread, in this order: the engine
+    died; then it was restarted (its fresh sockets) or it is lost for good."""
+
+    def engine_died(self, reason: str) -> None:
+        """The processes are gone. Return only once nothing more will be read from the old
+        `receiver`: the watchdog closes it next."""
+
+    def engine_restarted(self, endpoints: Endpoints, receiver: zmq.Socket) -> None:
+        """A fresh scheduler and worker are ready on `endpoints` (their outputs on `receiver`)."""
+
+    def engine_lost(self, reason: str) -> None:
+        """No restart is left (--max-restarts within --restart-window), or one failed to start."""
+
+
+class RestartBudget:
+    """At most `limit` restarts within any `window` seconds: a crash loop ends in a clear
+    failure (and, for the server, a non-zero exit a supervisor acts on), not in restarts forever."""
+
+    def __init__(self, limit: int, window: float) -> None:
+        self.limit, self.window = limit, window
+        self._times: deque[float] = deque()
+
+    def take(self, now: float) -> bool:
+        """Spend one restart at `now`, if the budget has one."""
+        while self._times and now - self._times[0] > self.window:
+            self._times.popleft()
+        if len(self._times) >= self.limit:
+            return False
+        self._times.append(now)
+        return True
+
+
 class Backend:
     """The scheduler and worker processes of one server instance, and their private sockets.
 
     The caller binds the scheduler->front socket first (`receiver`), so no output is ever lost.
+    After a crash the watchdog (`watch`) starts a fresh pair on fresh sockets, within the
+    restart budget; `endpoints`, `receiver` and `processes` then name the new ones.
     """
 
     def __init__(self, config: ServerConfig) -> None:
@@ -47,15 +84,22 @@ class Backend:
             self.placement: Placement = plan(config.num_threads, config.cpu_affinity)
         except ValueError as exc:
             raise StartupError(str(exc)) from None
+        self.restarts = 0  # engine restarts so far (radixserve_engine_restarts_total)
+        self._budget = RestartBudget(config.max_restarts, config.restart_window)
+        self._stopping = False
+        self._watch_thread: threading.Thread | None = None
+        self._create()
+
+    def _create(self) -> None:
+        """Fresh endpoints, the bound receiver, and the two (unstarted) processes."""
         self.endpoints = Endpoints.create()
         self.receiver = zmq.Context.instance().socket(zmq.PULL)
         self.receiver.setsockopt(zmq.LINGER, 0)
         self.receiver.bind(self.endpoints.scheduler_to_front)
         ctx = mp.get_context("spawn")  # no fork: torch and zmq state must not be inherited
+        config = self.config
         self.worker = ctx.Process(target=run_worker, args=(config, self.endpoints, self.placement), name="radixserve-worker", daemon=True)
         self.scheduler = ctx.Process(target=run_scheduler, args=(config, self.endpoints), name="radixserve-scheduler", daemon=True)
-        self._stopping = False
-        self._watch_thread: threading.Thread | None = None
 
     @property
     def processes(self) -> list[mp.process.BaseProcess]:
@@ -63,41 +107,81 @@ class Backend:
 
     def start(self) -> SchedulerReady:
         """Start both processes and wait until the model is loaded. Raises StartupError."""
+        try:
+            return self._start()
+        except StartupError:
+            self.stop()
+            raise
+
+    def _start(self) -> SchedulerReady:
         with _main_module_hidden():
             self.worker.start()  # pins itself (run_worker), every thread, before torch loads
             start_pinned(self.scheduler, self.placement.service_cpus)
         deadline = time.monotonic() + self.config.startup_timeout
         decoder = msgspec.msgpack.Decoder(SchedulerReady)
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not self._stopping:
             if self.receiver.poll(200):
                 return decoder.decode(self.receiver.recv())
             dead = [p for p in self.processes if not p.is_alive()]
             if dead:
-                self.stop()
                 raise StartupError(
                     f"{dead[0].name} exited with code {dead[0].exitcode} during start-up; see its log above"
                 )
-        self.stop()
+        if self._stopping:
+            raise StartupError("stopped during start-up")
         raise StartupError(f"the model did not load within {self.config.startup_timeout:.0f} s")
 
-    def watch(self, on_death: Callable[[str], None]) -> None:
-        """Call `on_death(reason)` once if either process dies, and stop the other one."""
+    def watch(self, events: EngineEvents) -> None:
+        """Watch both processes from a thread: when either dies, stop the other, tell `events`,
+        and start a fresh pair while the restart budget lasts."""
 
         def loop() -> None:
             while not self._stopping:
-                for p in self.processes:
-                    if not p.is_alive():
-                        if self._stopping:
-                            return
-                        reason = f"the {p.name.split('-')[-1]} process died (exit code {p.exitcode})"
-                        log.error("%s; failing in-flight requests", reason)
-                        on_death(reason)
-                        self._kill_all()
-                        return
-                time.sleep(0.1)
+                dead = next((p for p in self.processes if not p.is_alive()), None)
+                if dead is None:
+                    time.sleep(0.1)
+                    continue
+                reason = f"the {dead.name.split('-')[-1]} process died (exit code {dead.exitcode})"
+                self._kill_all()
+                if self._stopping:
+                    return
+                log.error("%s", reason)
+                events.engine_died(reason)
+                if not self._restart(events, reason):
+                    return
 
         self._watch_thread = threading.Thread(target=loop, name="radixserve-watchdog", daemon=True)
         self._watch_thread.start()
+
+    def _restart(self, events: EngineEvents, reason: str) -> bool:
+        """A fresh scheduler and worker on fresh sockets, tried again while the budget lasts if
+        one fails to start; False (and `engine_lost`) when the budget is spent first, or the
+        server is stopping."""
+        while not self._stopping:
+            if not self._budget.take(time.monotonic()):
+                events.engine_lost(
+                    f"{reason}, and {self._budget.limit} restarts within {self._budget.window:g} s were "
+                    "spent already (--max-restarts, --restart-window)"
+                )
+                return False
+            self.restarts += 1
+            log.warning("restarting the scheduler and worker (restart %d)", self.restarts)
+            self.receiver.close()
+            self.endpoints.remove()
+            self._create()
+            try:
+                self._start()
+            except StartupError as exc:
+                self._kill_all()
+                reason = f"{reason}; restart {self.restarts} failed: {exc}"
+                log.error("restart %d failed: %s", self.restarts, exc)
+                continue
+            if self._stopping:
+                break
+            log.info("the scheduler and worker are back (restart %d)", self.restarts)
+            events.engine_restarted(self.endpoints, self.receiver)
+            return True
+        return False
 
     def stop(self, timeout: float = 5.0) -> None:
         """Ask the scheduler to stop, then make sure both processes are gone."""
@@ -113,6 +197,9 @@ class Backend:
         for p in self.processes:
             if p.pid is not None:
                 p.join(max(0.0, deadline - time.monotonic()))
+        self._kill_all()
+        if self._watch_thread is not None and self._watch_thread is not threading.current_thread():
+            self._watch_thread.join(timeout)  # a restart in progress sees _stopping and ends
         self._kill_all()
         self.receiver.close()
         self.endpoints.remove()

@@ -71,6 +71,20 @@ class Shutdown(msgspec.Struct, tag=True):
 # --------------------------------------------------------------------------- front -> scheduler
 
 
+class ResumedSample(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One unfinished sample of a request submitted again to a fresh engine after a crash.
+
+    `output_groups` are the sample's `RequestOutput.new_token_ids` the front received, in order:
+    the new scheduler replays them into its stop checker one `add` each, so its text (and every
+    later `stop_position`) stays the front's, then continues from their last token. The worker
+    gets them as output tokens, so penalties and a seeded sample's step go on where they were.
+    """
+
+    index: int  # which of the request's n samples
+    output_groups: list[list[int]] = []
+    cached_tokens: int = 0  # what the first engine reported; the client keeps seeing it
+
+
 class TokenizedRequest(msgspec.Struct, tag=True, omit_defaults=True):
     """A validated, tokenized request.
 
@@ -87,6 +101,12 @@ class TokenizedRequest(msgspec.Struct, tag=True, omit_defaults=True):
     logprob_start_len: int = -1  # first prompt position whose logprob is returned; -1 = none
     top_logprobs_num: int = 0
     cache_salt: str | None = None  # cache namespace (tenant); None = the shared namespace
+    # after an engine restart (front/recovery.py): only these samples, each from its tokens so
+    # far; empty = a new request, all n samples from the start
+    resume: list[ResumedSample] = []
+    # the request was in the step that crashed the last engine: it runs in steps of its own until
+    # it samples a token, so a second crash names it alone (a poison request)
+    isolate: bool = False
 
 
 class AbortRequest(msgspec.Struct, tag=True):
@@ -152,6 +172,15 @@ class TokenBatchOut(msgspec.Struct, tag=True):
     outputs: list[RequestOutput]
 
 
+class EngineFailed(msgspec.Struct, tag=True):
+    """The scheduler's last word when a step failed (an exception in it, or the worker's): why,
+    and the submissions of the failing step, the suspects of a poison request. The scheduler
+    exits after sending it; a process killed outright sends nothing."""
+
+    message: str
+    suspects: list[int]  # internal ids (TokenizedRequest.rid) of the requests in that step
+
+
 class RequestRejected(msgspec.Struct, tag=True):
     """The scheduler refused a request it cannot serve (queue full, too large for the pool).
 
@@ -203,7 +232,9 @@ class SchedulerReady(msgspec.Struct, tag=True):
     cpu_isa: str  # the CPU ISA tier the worker's kernels use (kernels/isa.py)
 
 
-SchedulerToFront = TokenBatchOut | RequestRejected | FlushCacheDone | SchedulerStats | SchedulerReady
+SchedulerToFront = (
+    TokenBatchOut | RequestRejected | FlushCacheDone | SchedulerStats | SchedulerReady | EngineFailed
+)
 
 
 # --------------------------------------------------------------------------- scheduler <-> worker
@@ -217,6 +248,7 @@ class NewRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     top_logprobs_num: int = 0
     prompt_ids: list[int] = []  # only when a repetition penalty needs the whole prompt
     return_logprob: bool = False  # the sampled tokens' logprobs are wanted (else not computed)
+    output_ids: list[int] = []  # a resumed sample's tokens so far (ResumedSample), once
 
 
 class Chunk(msgspec.Struct, array_like=True, omit_defaults=True):

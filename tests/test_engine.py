@@ -220,8 +220,34 @@ def test_chunked_prefill_and_page_size_1(tiny_dir):
         assert_pages_balanced(eng)
 
 
-def test_killed_worker_fails_requests_and_shutdown_leaves_no_orphans(tiny_dir):
-    eng = Engine(model=str(tiny_dir), dtype="float32", page_size=4, kv_pages=256)
+def test_killed_worker_resumes_a_generate_in_progress(tiny_dir):
+    """The worker dies mid-request: a fresh engine takes over and the call returns the text it
+    would have returned anyway (tests/test_recovery.py does this over HTTP, at length)."""
+    with Engine(model=str(tiny_dir), dtype="float32", page_size=4, kv_pages=1024) as eng:
+        params = {"max_new_tokens": 1500, "ignore_eos": True, "temperature": 0.0}
+        expected = eng.generate("hello there", params)
+        first_worker = eng._backend.worker.pid
+        outs: list[dict] = []
+        flowing = threading.Event()
+
+        def stream() -> None:
+            for out in eng.generate("hello there", params, stream=True):
+                outs.append(out)
+                flowing.set()
+
+        t = threading.Thread(target=stream)
+        t.start()
+        assert flowing.wait(60)
+        os.kill(first_worker, 9)
+        t.join(timeout=120)
+        assert not t.is_alive(), "generate hung after the worker died"
+        assert eng._backend.worker.pid != first_worker and eng.manager.restarts == 1
+        assert eng.manager.recovered == 1, "the request was not in flight at the kill"
+        assert outs[-1]["output_ids"] == expected["output_ids"] and outs[-1]["text"] == expected["text"]
+
+
+def test_killed_worker_with_no_restarts_fails_requests_and_shutdown_leaves_no_orphans(tiny_dir):
+    eng = Engine(model=str(tiny_dir), dtype="float32", page_size=4, kv_pages=256, max_restarts=0)
     pids = [p.pid for p in eng._backend.processes]
     result: dict[str, object] = {}
 

@@ -16,6 +16,7 @@ from radixserve.protocol import (
     ForwardBatch,
     ForwardResult,
     RequestRejected,
+    ResumedSample,
     SamplingParams,
     TokenizedRequest,
     WorkerReady,
@@ -343,3 +344,43 @@ def test_samples_wait_for_sample_0s_prompt_logprobs_across_its_retraction():
     assert len(done["plp", 0]["input_logprobs"]) == 20 and done["plp", 1]["input_logprobs"] == []
     assert done["plp", 1]["cached"] == 16
     assert done["plp", 1]["tokens"] == done["plp", 0]["tokens"] == expected_tokens(prompt, 3)
+
+
+def test_a_resumed_request_continues_from_its_outputs_on_a_fresh_scheduler():
+    """After an engine restart the front resubmits unfinished samples with their outputs so far
+    (`TokenizedRequest.resume`): the new scheduler computes prompt + outputs and goes on, with
+    `max_new_tokens` counting the earlier ones, the first engine's `cached_tokens`, and the
+    outputs given to the worker (penalties, a seeded sample's step)."""
+    prompt = list(range(10, 40))
+    whole = expected_tokens(prompt, 12)
+    sched, worker = make(chunk_size=16)
+    groups = [whole[:1], whole[1:4], whole[4:5]]  # as the front received them
+    msg = request("resumed", prompt, max_new=12, sp={"n": 2},
+                  resume=[ResumedSample(1, groups, cached_tokens=20)])
+    assert sched.add_request(msg) is None
+    done = run(sched, worker)
+    assert list(done) == [("resumed", 1)]  # sample 0 had finished: only sample 1 comes back
+    assert done["resumed", 1]["tokens"] == whole[5:] and done["resumed", 1]["cached"] == 20
+    assert done["resumed", 1]["finish"].type == "length"
+    new = [n for b in worker.steps for n in b.new_requests]
+    assert [(n.rid, n.output_ids) for n in new] == [(key("resumed", 1), whole[:5])]
+    assert sched.counters.prompt_tokens == 0  # the first engine counted it
+
+
+def test_a_crash_suspect_runs_alone_until_it_samples():
+    """`isolate`: the suspect's steps hold nothing else, so a second failure names it alone;
+    once it has sampled a token it is batched like any request."""
+    sched, worker = make(chunk_size=8)
+    sched.add_request(request("busy", list(range(100, 110)), max_new=40))
+    for _ in range(3):
+        sched.process_result(worker.step(sched.build_batch()))
+    sched.add_request(request("suspect", list(range(200, 220)), max_new=6, isolate=True))
+    done = run(sched, worker)
+    keys = [{c.rid for c in b.chunks} for b in worker.steps[3:]]
+    alone = [k for k in keys if key("suspect") in k]
+    first_sample = next(i for i, k in enumerate(keys) if key("suspect") in k and len(k) > 1)
+    assert all(k == {key("suspect")} for k in keys[:first_sample] if key("suspect") in k)
+    assert len([k for k in keys[:first_sample] if k == {key("suspect")}]) == 3  # 20 tokens in chunks of 8
+    assert len(alone) > 3  # then batched with the other
+    assert done["suspect", 0]["tokens"] == expected_tokens(list(range(200, 220)), 6)
+    assert done["busy", 0]["tokens"] == expected_tokens(list(range(100, 110)), 40)

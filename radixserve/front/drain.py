@@ -39,6 +39,10 @@ class DrainingServer(uvicorn.Server):
             self.force_exit = True
 
     async def on_tick(self, counter: int) -> bool:
+        if self._state.engine_lost is not None and not self.should_exit:
+            # every request has failed with the reason (503): exit, non-zero, for a supervisor
+            log.error("exiting: the engine is lost (%s)", self._state.engine_lost)
+            self.should_exit = True
         if self._signals and not self.should_exit:
             self._drain_step()
         return await super().on_tick(counter)

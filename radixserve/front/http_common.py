@@ -18,7 +18,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from radixserve.front.manager import EngineDead, RequestFailed, RidInUse
+from radixserve.front.manager import EngineDead, RequestCrashedEngine, RequestFailed, RidInUse
 from radixserve.front.validation import InvalidRequest
 
 log = logging.getLogger("radixserve.http")
@@ -73,6 +73,8 @@ def to_http_error(exc: BaseException) -> HTTPError:
         return HTTPError(400, exc.message, param=exc.param)
     if isinstance(exc, EngineDead):
         return HTTPError(503, f"the server cannot serve requests: {exc.message}", code="engine_dead")
+    if isinstance(exc, RequestCrashedEngine):
+        return HTTPError(500, exc.message, code="request_crashed_engine")
     if isinstance(exc, RidInUse):
         return HTTPError(409, exc.message, param="rid", code="rid_in_use")
     if isinstance(exc, RecursionError):  # a JSON walker (dumps, a schema check) met the client's nesting

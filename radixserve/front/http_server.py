@@ -54,6 +54,7 @@ from radixserve.front.http_common import (
 from radixserve.front.inputs import build_requests
 from radixserve.front.manager import EngineDead, GenerateRequest, TokenizerManager
 from radixserve.front.metrics import CONTENT_TYPE
+from radixserve.front.recovery import BackendEvents
 from radixserve.front.serving import ServerState
 from radixserve.front.tenants import SCOPE_KEY, Tenants, load_api_key_file, scope_requests
 from radixserve.front.validation import InvalidRequest
@@ -125,15 +126,11 @@ async def _lifespan(app: Starlette) -> AsyncIterator[None]:
     manager = TokenizerManager(state.backend.endpoints, state.ready, state.tokenizer)
     manager.start(state.backend.receiver)
     state.manager = manager
-    loop = asyncio.get_running_loop()
 
-    def on_death(reason: str) -> None:
-        try:
-            loop.call_soon_threadsafe(manager.fail_all, reason)
-        except RuntimeError:  # the loop is already closed: we are shutting down
-            pass
+    def on_lost(reason: str) -> None:
+        state.engine_lost = reason  # the server exits non-zero, for a supervisor to act on
 
-    state.backend.watch(on_death)
+    state.backend.watch(BackendEvents(manager, asyncio.get_running_loop(), on_lost))
     try:
         yield
     finally:
@@ -237,6 +234,8 @@ async def _health_problem(state: ServerState) -> str | None:
         return "the server is starting"
     if manager.dead_reason:
         return manager.dead_reason
+    if manager.restarting_reason:
+        return f"the engine is restarting after a crash ({manager.restarting_reason}); requests in flight resume after it"
     for p in state.backend.processes:
         if not p.is_alive():
             return f"the {p.name.split('-')[-1]} process is not running"
@@ -287,7 +286,8 @@ async def metrics(request: Request) -> Response:
         stats = await state.get_manager().stats()
     except (asyncio.TimeoutError, EngineDead):
         stats = None  # the histograms still answer; the scheduler's numbers are left out
-    return Response(state.metrics.render(stats), media_type=CONTENT_TYPE)
+    manager = state.get_manager()
+    return Response(state.metrics.render(stats, manager.restarts, manager.recovered), media_type=CONTENT_TYPE)
 
 
 @handles_errors

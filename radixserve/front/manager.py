@@ -2,14 +2,15 @@
 
 Used by the HTTP server and by `Engine`. It owns the internal request ids (a caller's rid is a
 label mapped to one), per-request output streams (each sample's text, ids and logprobs:
-`sample_output.py`), abort on cancel, and failing every in-flight request with a clear error when
-the scheduler or worker dies.
+`sample_output.py`), abort on cancel, resuming every request in flight on a restarted engine
+(`recovery.py`), and failing them with a clear error once no restart is left.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -20,10 +21,12 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from radixserve.front.recovery import POISON_CRASHES, LiveRequest
 from radixserve.front.sample_output import PromptLogprobs, SampleOutput
 from radixserve.ipc import Endpoints
 from radixserve.protocol import (
     AbortRequest,
+    EngineFailed,
     FlushCache,
     FlushCacheDone,
     GetStats,
@@ -33,8 +36,9 @@ from radixserve.protocol import (
     SchedulerStats,
     SchedulerToFront,
     TokenBatchOut,
-    TokenizedRequest,
 )
+
+log = logging.getLogger("radixserve.front")
 
 
 class RequestFailed(RuntimeError):
@@ -47,7 +51,19 @@ class RequestFailed(RuntimeError):
 
 
 class EngineDead(RequestFailed):
-    """The scheduler or worker process is gone; nothing will be served until a restart."""
+    """The scheduler or worker process is gone (or restarting, for the admin routes that ask
+    it something now); HTTP 503."""
+
+
+class RequestCrashedEngine(RequestFailed):
+    """This request was in the failing step of two engines in a row (a poison request): it is
+    not tried again, and the others go on (HTTP 500, naming it)."""
+
+    def __init__(self, rid: str, failure: str) -> None:
+        super().__init__(
+            f"request {rid!r} made the engine fail twice ({failure}); it was not retried, and the "
+            "engine serves the other requests"
+        )
 
 
 class RidInUse(RequestFailed):
@@ -94,11 +110,9 @@ class TokenizerManager:
     def __init__(self, endpoints: Endpoints, ready: SchedulerReady, tokenizer: Any) -> None:
         self.ready = ready
         self.tokenizer = tokenizer
-        self._to_scheduler = zmq.Context.instance().socket(zmq.PUSH)
-        self._to_scheduler.setsockopt(zmq.LINGER, 0)
-        self._to_scheduler.connect(endpoints.front_to_scheduler)
+        self._to_scheduler = self._connect(endpoints)
         self._encoder = msgspec.msgpack.Encoder()
-        self._queues: dict[int, asyncio.Queue] = {}  # internal id -> that submission's outputs
+        self._requests: dict[int, LiveRequest] = {}  # internal id -> that submission, while in flight
         # (tenant, caller's rid) -> internal id, while in flight: with --api-key-file each tenant's
         # rids are its own, so one tenant can neither see (409) nor abort another's requests
         self._live: dict[tuple[str | None, str], int] = {}
@@ -106,11 +120,26 @@ class TokenizerManager:
         self._replies: dict[int, asyncio.Future] = {}
         self._req_ids = itertools.count()
         self._dead: str | None = None
+        self._restarting: str | None = None  # why, while a fresh engine starts
+        self._failure: EngineFailed | None = None  # the dead engine's last word, if it had one
+        self._last_failure = ""  # why the last engine died (named to a poison request)
         self._from_scheduler: zmq.asyncio.Socket | None = None
+        self._receiver: zmq.Socket | None = None
         self._recv_task: asyncio.Task | None = None
+        self._decoder = msgspec.msgpack.Decoder(SchedulerToFront)
+        self.restarts = 0  # engines restarted (radixserve_engine_restarts_total)
+        self.recovered = 0  # requests resumed on a restarted engine (radixserve_requests_recovered_total)
+
+    @staticmethod
+    def _connect(endpoints: Endpoints) -> zmq.Socket:
+        sock = zmq.Context.instance().socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoints.front_to_scheduler)
+        return sock
 
     def start(self, receiver: zmq.Socket) -> None:
         """Adopt the bound scheduler->front socket into the running loop and start dispatching."""
+        self._receiver = receiver
         self._from_scheduler = zmq.asyncio.Socket.from_socket(receiver)
         self._recv_task = asyncio.get_running_loop().create_task(self._recv_loop())
 
@@ -118,33 +147,100 @@ class TokenizerManager:
     def dead_reason(self) -> str | None:
         return self._dead
 
+    @property
+    def restarting_reason(self) -> str | None:
+        return self._restarting
+
     def _send(self, msg: msgspec.Struct) -> None:
         self._to_scheduler.send(self._encoder.encode(msg))
 
     async def _recv_loop(self) -> None:
-        decoder = msgspec.msgpack.Decoder(SchedulerToFront)
         assert self._from_scheduler is not None
         while True:
-            msg = decoder.decode(await self._from_scheduler.recv())
-            if isinstance(msg, TokenBatchOut):
-                for out in msg.outputs:
-                    queue = self._queues.get(out.rid)
-                    if queue is not None:
-                        queue.put_nowait(out)
-            elif isinstance(msg, RequestRejected):
-                queue = self._queues.get(msg.rid)
-                if queue is not None:
-                    queue.put_nowait(RequestFailed(msg.message, msg.retryable))
-            elif isinstance(msg, (FlushCacheDone, SchedulerStats)):
-                fut = self._replies.pop(msg.req_id, None)
-                if fut is not None and not fut.done():
-                    fut.set_result(msg)
+            self._dispatch(self._decoder.decode(await self._from_scheduler.recv()))
+
+    def _dispatch(self, msg: Any) -> None:
+        if isinstance(msg, TokenBatchOut):
+            for out in msg.outputs:
+                live = self._requests.get(out.rid)
+                if live is not None:
+                    live.record(out)
+                    live.queue.put_nowait(out)
+        elif isinstance(msg, RequestRejected):
+            live = self._requests.get(msg.rid)
+            if live is not None:
+                live.queue.put_nowait(RequestFailed(msg.message, msg.retryable))
+        elif isinstance(msg, (FlushCacheDone, SchedulerStats)):
+            fut = self._replies.pop(msg.req_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+        elif isinstance(msg, EngineFailed):
+            self._failure = msg
+
+    # ------------------------------------------------------------------ engine restarts
+
+    def engine_died(self, reason: str) -> None:
+        """The scheduler or worker died (`recovery.BackendEvents`, in this loop). Read what the
+        old engine sent to the end, so each request's record holds every token its caller will
+        get; then hold every request until a fresh engine is ready."""
+        self._stop_receiving()
+        if self._receiver is not None:
+            while self._receiver.poll(0):
+                self._dispatch(self._decoder.decode(self._receiver.recv()))
+            # closed here, in the loop: the asyncio socket unregisters its file descriptor, which
+            # the fresh receiver may be given again (a stale registration would never wake)
+            assert self._from_scheduler is not None
+            self._from_scheduler.close(linger=0)
+            self._from_scheduler = self._receiver = None
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            reason = f"{reason}: {failure.message}"
+            for internal in failure.suspects:
+                live = self._requests.get(internal)
+                if live is not None:
+                    live.crashes += 1
+        self._restarting = reason
+        for fut in self._replies.values():
+            if not fut.done():
+                fut.set_exception(EngineDead(f"the engine is restarting ({reason})"))
+        self._replies.clear()
+        self._last_failure = reason
+
+    def engine_restarted(self, endpoints: Endpoints, receiver: zmq.Socket) -> None:
+        """A fresh engine is ready: submit every request in flight again, each unfinished sample
+        from its tokens so far; fail alone a request that crashed two engines in a row."""
+        self._to_scheduler.close()
+        self._to_scheduler = self._connect(endpoints)
+        self.start(receiver)
+        self._restarting = None
+        self.restarts += 1
+        for live in list(self._requests.values()):
+            if live.done:
+                continue  # its caller is reading the last outputs
+            if live.crashes >= POISON_CRASHES:
+                log.error("request %r was in the failing step of %d engines in a row: it fails alone",
+                          live.request.rid, live.crashes)
+                live.queue.put_nowait(RequestCrashedEngine(live.request.rid, self._last_failure))
+                continue
+            self.recovered += live.sent
+            self._submit(live)
+        log.info("engine restarted; %d requests resumed so far", self.recovered)
+
+    def _submit(self, live: LiveRequest) -> None:
+        self._send(live.submission())
+        live.sent = True
+
+    def _stop_receiving(self) -> None:
+        if self._recv_task is not None:
+            self._recv_task.cancel()
+            self._recv_task = None
 
     def fail_all(self, reason: str) -> None:
-        """The backend died: every waiting caller gets an error now instead of hanging."""
+        """The backend is gone for good: every waiting caller gets an error now instead of hanging."""
         self._dead = reason
-        for queue in self._queues.values():
-            queue.put_nowait(EngineDead(reason))
+        self._restarting = None
+        for live in self._requests.values():
+            live.queue.put_nowait(EngineDead(reason))
         for fut in self._replies.values():
             if not fut.done():
                 fut.set_exception(EngineDead(reason))
@@ -153,6 +249,8 @@ class TokenizerManager:
     async def _ask(self, msg_type: type, timeout: float) -> Any:
         if self._dead:
             raise EngineDead(self._dead)
+        if self._restarting:
+            raise EngineDead(f"the engine is restarting ({self._restarting})")
         req_id = next(self._req_ids)
         fut = asyncio.get_running_loop().create_future()
         self._replies[req_id] = fut
@@ -192,15 +290,18 @@ class TokenizerManager:
         return len(internal)
 
     def _abort(self, internal: int) -> None:
-        if not self._dead:
+        """Tell the engine; while one restarts there is nothing to tell (the request is no
+        longer in flight, so it is not resubmitted)."""
+        if not self._dead and not self._restarting:
             self._send(AbortRequest(internal))
 
     async def shutdown(self) -> None:
         """Stop dispatching; the backend's own `stop` ends the processes."""
-        if self._recv_task is not None:
-            self._recv_task.cancel()
+        task = self._recv_task
+        self._stop_receiving()
+        if task is not None:
             try:
-                await self._recv_task
+                await task
             except asyncio.CancelledError:
                 pass
         self._to_scheduler.close()
@@ -217,20 +318,15 @@ class TokenizerManager:
         prompt = PromptLogprobs()  # computed once, shared by the samples
         states = [SampleOutput(self.tokenizer, req.sampling, req.input_ids, prompt) for _ in range(req.sampling.n)]
         internal = next(self._ids)
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[internal] = queue
+        live = LiveRequest(internal, req, asyncio.Queue())
+        self._requests[internal] = live
         self._live[live_key] = internal
         finished = False
         try:
-            self._send(
-                TokenizedRequest(
-                    rid=internal, input_ids=req.input_ids, sampling=req.sampling,
-                    return_logprob=req.return_logprob, logprob_start_len=req.logprob_start_len,
-                    top_logprobs_num=req.top_logprobs_num, cache_salt=req.cache_salt,
-                )
-            )
+            if not self._restarting:  # else it goes to the fresh engine with the others
+                self._submit(live)
             while not all(s.done for s in states):
-                item = await queue.get()
+                item = await live.queue.get()
                 if isinstance(item, Exception):
                     raise item
                 state = states[item.index]
@@ -238,7 +334,7 @@ class TokenizerManager:
                 yield self._result(req, state, item.index, start)
             finished = True
         finally:
-            del self._queues[internal], self._live[live_key]
+            del self._requests[internal], self._live[live_key]
             if not finished:
                 self._abort(internal)
 

@@ -79,11 +79,29 @@ class _SchedulerCollector(Collector):
         )
 
 
+class _RecoveryCollector(Collector):
+    """The front's own counts of engine restarts and the requests it resumed (front/recovery.py):
+    they outlive the engines, whose counters start again from 0 after a restart."""
+
+    def __init__(self) -> None:
+        self.restarts = 0
+        self.recovered = 0
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(PREFIX + "engine_restarts", "Scheduler and worker restarts after a crash.",
+                                  value=self.restarts)
+        yield CounterMetricFamily(PREFIX + "requests_recovered",
+                                  "Requests in flight at a crash, resumed on the restarted engine.",
+                                  value=self.recovered)
+
+
 class ServerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._scheduler = _SchedulerCollector()
         self.registry.register(self._scheduler)
+        self._recovery = _RecoveryCollector()
+        self.registry.register(self._recovery)
         self.ttft = Histogram(
             PREFIX + "time_to_first_token_seconds", "Time from arrival to the first output token.",
             buckets=_LATENCY_BUCKETS, registry=self.registry,
@@ -138,7 +156,9 @@ class ServerMetrics:
             if tokens >= 2:
                 self.tpot.observe(max(0.0, e2e - meta["ttft"]) / (tokens - 1))
 
-    def render(self, stats: SchedulerStats | None) -> bytes:
-        """The Prometheus text exposition, with `stats` as the scheduler's current numbers."""
+    def render(self, stats: SchedulerStats | None, restarts: int = 0, recovered: int = 0) -> bytes:
+        """The Prometheus text exposition, with `stats` as the scheduler's current numbers (None
+        while it cannot answer) and the front's counts of engine restarts and resumed requests."""
         self._scheduler.stats = stats
+        self._recovery.restarts, self._recovery.recovered = restarts, recovered
         return generate_latest(self.registry)

@@ -56,6 +56,7 @@ class ServerState:
     tenants_on: bool = False  # --api-key-file: every request must carry its key's tenant
     draining: bool = False  # SIGTERM: new requests get 503 while those in flight finish
     in_flight: int = 0  # HTTP requests in progress (DrainMiddleware), what a drain waits for
+    engine_lost: str | None = None  # no engine restart is left: the server exits non-zero
 
     def __post_init__(self) -> None:
         self.limits = request_limits(self.config, self.ready, self.tokenizer)

@@ -10,6 +10,8 @@ One step, as `Scheduler.build_batch` makes it:
 
 Steps 3 and 4 share the budget (`_schedule_prompts`): while a long prefill runs, short
 prefills and admission get a share of every step first, so nothing waits behind a long prompt.
+After an engine restart, a suspect of the crash (`Request.isolated`) takes steps 2-4 alone
+until it samples a token (`_schedule_isolated`): a second crash then names it and no other.
 
 `process_result` then appends sampled tokens, checks stop conditions and produces the outputs
 the front streams to clients.
@@ -103,8 +105,13 @@ class Scheduler:
     # ------------------------------------------------------------------ requests in
 
     def add_request(self, msg: TokenizedRequest) -> RequestRejected | None:
+        """Queue a submission's samples: all n of a new request, or the unfinished ones of a
+        request resumed after an engine restart (`msg.resume`), each from its tokens so far."""
         n = msg.sampling.n
-        if len(self.waiting) + n > self.config.max_queued_requests:
+        resumed = {s.index: s for s in msg.resume}
+        indices = sorted(resumed) if resumed else list(range(n))
+        # a resumed request was queued by the engine before: a full queue must not lose it now
+        if not resumed and len(self.waiting) + n > self.config.max_queued_requests:
             return RequestRejected(msg.rid, "the waiting queue is full; retry later", retryable=True)
         if pages_for(len(msg.input_ids) + 1, self.page_size) > self.kv.total_pages:
             return RequestRejected(
@@ -118,13 +125,14 @@ class Scheduler:
                 return RequestRejected(msg.rid, "constrained decoding is not available in this server")
             pending = self.grammars.compile(msg.sampling.grammar)  # never blocks; admission waits
         prompt_logprobs = msg.return_logprob and 0 <= msg.logprob_start_len < len(msg.input_ids)
-        if prompt_logprobs and n > 1:
+        if prompt_logprobs and len(indices) > 1 and indices[0] == 0:
             self._prompt_logprobs_pending.add(msg.rid)
-        for i in range(n):
+        for i in indices:
             sampling = msg.sampling
             if n > 1:
                 seed = None if sampling.seed is None else sampling.seed + i
                 sampling = msgspec.structs.replace(sampling, n=1, seed=seed)
+            groups = resumed[i].output_groups if resumed else []
             req = Request(
                 rid=msg.rid, index=i, input_ids=msg.input_ids, sampling=sampling,
                 namespace=msg.cache_salt or None, arrival=self._arrivals,
@@ -132,10 +140,14 @@ class Scheduler:
                 # the prompt's logprobs are computed once, by sample 0, and shared by the front
                 logprob_start_len=msg.logprob_start_len if i == 0 else -1,
                 top_logprobs_num=msg.top_logprobs_num, grammar_wait=pending,
+                output_ids=[t for group in groups for t in group], isolated=msg.isolate,
             )
+            if req.output_ids:  # reported before the restart: the client keeps that figure
+                req.admitted, req.cached_tokens = True, resumed[i].cached_tokens
             self._arrivals += 1
             checker = self._make_stop_checker(req)
             if checker is not None:
+                checker.replay(groups)
                 self._stop_checkers[req.key] = checker
             self.waiting.append(req)
         return None
@@ -183,6 +195,10 @@ class Scheduler:
             "grammar_compile_buckets": list(c.buckets), "grammar_compile_seconds_sum": c.seconds_sum,
         }
 
+    def in_flight_rids(self) -> list[int]:
+        """The submissions of the step being built or run (an engine failure's suspects)."""
+        return sorted({req.rid for req, _ in self._in_flight})
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -206,6 +222,9 @@ class Scheduler:
             if compiled is not None:
                 req.matcher = self.grammars.matcher(compiled)
                 req.grammar_wait = None
+                # a resumed sample: its matcher takes the tokens the last engine's accepted
+                if not all(req.matcher.accept_token(t) for t in req.output_ids):
+                    self._refuse(req.rid, "the request's output so far no longer fits its grammar")
 
     def _refuse(self, rid: int, message: str) -> None:
         """Drop every sample of a queued submission and tell the front why (no output: none
@@ -227,15 +246,8 @@ class Scheduler:
         self._in_flight, self._in_flight_keys = [], set()
         if self.grammars is not None:
             self._resolve_grammars()
-        self._schedule_decodes()
-        if self.waiting:
-            self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
-        self._schedule_prompts(self.config.chunk_size)
-        if not self._in_flight and len(self.running) > 1:
-            # every running request is a prefill stuck for pages held by the others: make room
-            self._retract(self._victim())
-            self._schedule_decodes()
-            self._continue_prefills(self._unscheduled_prefills(), self.config.chunk_size)
+        if not self._schedule_isolated():
+            self._schedule_step()
         if not self._in_flight:
             return None
         assigned, appended, released = self.kv.take_deltas()
@@ -246,12 +258,47 @@ class Scheduler:
                 prompt = req.input_ids if req.sampling.repetition_penalty != 1.0 else []
                 # the worker applies a grammar's bitmask, never the grammar: it stays here
                 sampling = req.sampling if req.sampling.grammar is None else msgspec.structs.replace(req.sampling, grammar=None)
-                new_requests.append(NewRequest(req.key, sampling, req.top_logprobs_num, prompt, req.return_logprob))
+                new_requests.append(NewRequest(
+                    req.key, sampling, req.top_logprobs_num, prompt, req.return_logprob,
+                    output_ids=list(req.output_ids),  # non-empty only for a sample resumed after a restart
+                ))
         finished, self._finished_keys = self._finished_keys, []
         return ForwardBatch(
             chunks=[c for _, c in self._in_flight], new_requests=new_requests,
             assigned=assigned, appended=appended, released=released, finished=finished,
         )
+
+    def _schedule_step(self) -> None:
+        self._schedule_decodes()
+        if self.waiting:
+            self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        self._schedule_prompts(self.config.chunk_size)
+        if not self._in_flight and len(self.running) > 1:
+            # every running request is a prefill stuck for pages held by the others: make room
+            self._retract(self._victim())
+            self._schedule_decodes()
+            self._continue_prefills(self._unscheduled_prefills(), self.config.chunk_size)
+
+    def _schedule_isolated(self) -> bool:
+        """A suspect of the last engine crash runs alone, one step at a time, until it samples
+        a token: if it crashes the engine again, the failing step names it and nothing else.
+        False when there is none, or it cannot go now (no pages or row yet): a normal step runs,
+        without it, and frees what it needs."""
+        req = next((r for r in self.running if r.isolated), None)
+        if req is None:
+            req = next((r for r in self.waiting if r.isolated and r.grammar_wait is None), None)
+            if req is None:
+                return False
+            self._admit(self.config.chunk_size, [req])
+        elif req.is_prefilling:
+            self._continue_prefills([req], self.config.chunk_size)
+        else:
+            try:
+                self.kv.grow(req, req.computed_len + 1)
+            except OutOfPages:
+                return False
+            self._add_chunk(req, 1)
+        return bool(self._in_flight)
 
     def pending_worker_cleanup(self) -> ForwardBatch | None:
         """Rows released and states finished while no forward runs: tell the worker anyway."""
@@ -262,7 +309,7 @@ class Scheduler:
         return ForwardBatch(chunks=[], assigned=assigned, appended=appended, released=released, finished=finished)
 
     def _schedule_decodes(self) -> None:
-        decoding = [r for r in self.running if not r.is_prefilling and not self._scheduled(r)]
+        decoding = [r for r in self.running if not r.is_prefilling and not r.isolated and not self._scheduled(r)]
         while True:
             need = sum(pages_for(r.computed_len + 1, self.page_size) - len(r.pages) for r in decoding)
             if need <= self.kv.available_pages or len(self.running) <= 1:
@@ -298,7 +345,7 @@ class Scheduler:
         self._admit(self._continue_prefills(long, budget - share + unused))
 
     def _unscheduled_prefills(self) -> list[Request]:
-        return [r for r in self.running if r.is_prefilling and not self._scheduled(r)]
+        return [r for r in self.running if r.is_prefilling and not r.isolated and not self._scheduled(r)]
 
     def _continue_prefills(self, requests: list[Request], budget: int) -> int:
         """Next prefill chunks of `requests`, in order, within `budget`; returns what is left."""
@@ -311,16 +358,19 @@ class Scheduler:
                 budget -= n
         return budget
 
-    def _admit(self, budget: int) -> int:
-        """Admit waiting requests with prefill chunks of at most `budget` tokens in all;
-        returns the budget left."""
+    def _admit(self, budget: int, isolated: list[Request] | None = None) -> int:
+        """Admit waiting requests with prefill chunks of at most `budget` tokens in all (only
+        `isolated`, given it: a crash suspect admitted alone); returns the budget left."""
         if not self.waiting:
             return budget
-        for req in order_waiting(self.waiting, self.config.schedule_policy, self.kv.cache):
+        candidates = isolated or order_waiting(self.waiting, self.config.schedule_policy, self.kv.cache)
+        for req in candidates:
             if budget <= 0 or not self.kv.has_free_row or len(self.running) >= self.config.max_running_requests:
                 break
             if req.grammar_wait is not None:
                 continue  # its grammar compiles; the others need not wait for it
+            if req.isolated and isolated is None:
+                continue  # it runs alone (_schedule_isolated)
             cached = self.kv.cache.peek_prefix_length(req.fill_ids[: req.match_limit], req.namespace)
             if self._should_wait_for_prefill(req, cached):
                 continue
@@ -447,6 +497,7 @@ class Scheduler:
     def _append_token(self, req: Request, res: ChunkResult) -> None:
         token = res.next_token_id
         req.output_ids.append(token)
+        req.isolated = False  # a crash suspect that samples has cleared itself
         self.counters.generation_tokens += 1
         if req.wants_input_logprobs:
             req.input_logprobs_done = True

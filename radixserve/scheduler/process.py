@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 import threading
+import traceback
 
 from radixserve.config import ServerConfig
 from radixserve.ipc import Endpoints, Receiver, Sender, start_child
 from radixserve.protocol import (
     AbortRequest,
+    EngineFailed,
     FlushCache,
     ForwardBatch,
     ForwardResult,
@@ -88,9 +90,21 @@ def run_scheduler(config: ServerConfig, endpoints: Endpoints) -> None:
                 scheduler.outputs = []
     except WorkerDied as exc:
         log.error("worker failed: %s", exc)
+        _report_failure(to_front, f"the worker failed: {exc}", scheduler)
+        raise SystemExit(1) from exc
+    except Exception as exc:  # noqa: BLE001 - the front restarts the engine; say why, and who was in the step
+        log.error("scheduler failed: %s", traceback.format_exc())
+        _report_failure(to_front, f"the scheduler failed: {type(exc).__name__}: {exc}", scheduler)
         raise SystemExit(1) from exc
     finally:
         grammars.shutdown()
+
+
+def _report_failure(to_front: Sender, message: str, scheduler: Scheduler) -> None:
+    """The last message to the front: what failed and which submissions were in the step (the
+    front blames them, so a request that fails the engine twice fails alone)."""
+    to_front.send(EngineFailed(message, scheduler.in_flight_rids()))
+    to_front.socket.close(linger=1000)  # LINGER 0 would drop it unsent as the process exits
 
 
 def _handle(scheduler: Scheduler, msg: object, to_front: Sender) -> None:

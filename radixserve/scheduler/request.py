@@ -56,6 +56,9 @@ class Request:
     input_logprobs_sent: bool = False
     finish: FinishReason | None = None
     abort_requested: bool = False
+    # a suspect of the last engine crash (TokenizedRequest.isolate): scheduled in steps of its
+    # own until it samples a token
+    isolated: bool = False
     created: float = field(default_factory=time.monotonic)
 
     @property

@@ -24,6 +24,12 @@ class StopChecker:
         self._detok = output_detokenizer(tokenizer, sampling, prompt_ids)
         self._text = ""
 
+    def replay(self, groups: Sequence[Sequence[int]]) -> None:
+        """Feed a resumed sample's earlier outputs, one `add` each as they first came, without
+        searching: none of them ended it. The text is then the front's again."""
+        for group in groups:
+            self._text += self._detok.add(group)
+
     def check(self, token_ids: Sequence[int]) -> StopMatch | None:
         """Feed one output's tokens (exactly one `RequestOutput.new_token_ids`, so the text stays
         the front's); return the earliest stop string that the new text completes, if any."""

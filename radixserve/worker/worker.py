@@ -7,6 +7,7 @@ samples, and answers with token ids. It never decides anything about memory.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import TYPE_CHECKING
 
@@ -27,6 +28,11 @@ if TYPE_CHECKING:
     from radixserve.models.loader import LoadedModel
 
 log = logging.getLogger("radixserve.worker")
+
+# A test-only hook: a step whose chunks hold this token id raises, as a kernel bug would, so the
+# tests of engine recovery can mark a poison request by a token of its prompt. Never set it in
+# production.
+FAIL_ON_TOKEN_ENV = "RADIXSERVE_TEST_FAIL_ON_TOKEN"
 
 
 class Worker:
@@ -64,6 +70,8 @@ class Worker:
         self.sampler = Sampler(self.vocab_size)
         self.sampler.seed(config.seed)
         self.states: dict[str, SamplingState] = {}
+        fail_on = os.environ.get(FAIL_ON_TOKEN_ENV)
+        self._fail_on_token = int(fail_on) if fail_on else None
         log.info(
             "worker ready: model %s, %s on %s (CPU ISA %s), %s attention%s, KV pool %d pages x %d tokens (%.2f GiB)",
             self.model_path, dtype_name(self.dtype), self.device, isa.selected_tier(), type(backend).__name__,
@@ -87,6 +95,8 @@ class Worker:
     def step(self, batch: ForwardBatch) -> ForwardResult:
         start = time.perf_counter()
         self._apply(batch)
+        if self._fail_on_token is not None and any(self._fail_on_token in c.token_ids for c in batch.chunks):
+            raise RuntimeError(f"{FAIL_ON_TOKEN_ENV}: a chunk holds token {self._fail_on_token}")
         results = [ChunkResult() for _ in batch.chunks]
         if batch.chunks:
             self._run(batch, results)
@@ -99,7 +109,7 @@ class Worker:
             self.states.pop(rid, None)
         for new in batch.new_requests:
             self.states[new.rid] = SamplingState(
-                new.sampling, new.prompt_ids, top_logprobs_num=new.top_logprobs_num,
+                new.sampling, new.prompt_ids, list(new.output_ids), top_logprobs_num=new.top_logprobs_num,
                 return_logprob=new.return_logprob,
             )
         for row, pages in batch.assigned:
