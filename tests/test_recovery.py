@@ -151,7 +151,9 @@ def test_a_killed_engine_resumes_every_stream_with_the_undisturbed_text(tiny_dir
             assert got["meta_info"]["finish_reason"] == want["meta_info"]["finish_reason"]
         assert _metric(server, "radixserve_engine_restarts_total") == 1
         assert _metric(server, "radixserve_requests_recovered_total") == STREAMS
-        after = server.info()["pids"]
+        info = server.info()
+        assert info["engine"] == {"restarts": 1, "requests_recovered": STREAMS, "restarting": None}
+        after = info["pids"]
         assert after["server"] == before["server"]
         assert after["worker"] != before["worker"] and after["scheduler"] != before["scheduler"]
         assert httpx.get(server.url + "/health", timeout=30).status_code == 200

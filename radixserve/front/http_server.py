@@ -293,10 +293,11 @@ async def metrics(request: Request) -> Response:
 @handles_errors
 async def server_info(request: Request) -> Response:
     state = _state(request)
+    manager = state.get_manager()
     try:
-        stats = await state.get_manager().stats()
+        stats = await manager.stats()
     except (asyncio.TimeoutError, EngineDead):
-        stats = None
+        stats = None  # dead, restarting or stuck: `pages` and `requests` are null
     ready = state.ready
     pages = None
     if stats is not None:
@@ -317,6 +318,8 @@ async def server_info(request: Request) -> Response:
         "pages": pages,
         "requests": None if stats is None else {"running": stats.num_running, "waiting": stats.num_waiting},
         "pids": {"server": os.getpid(), "scheduler": state.backend.scheduler.pid, "worker": state.backend.worker.pid},
+        "engine": {"restarts": manager.restarts, "requests_recovered": manager.recovered,
+                   "restarting": manager.restarting_reason},
     })
 
 

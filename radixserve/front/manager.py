@@ -222,7 +222,8 @@ class TokenizerManager:
                           live.request.rid, live.crashes)
                 live.queue.put_nowait(RequestCrashedEngine(live.request.rid, self._last_failure))
                 continue
-            self.recovered += live.sent
+            if live.sent:  # else it arrived during the restart: new, not recovered
+                self.recovered += 1
             self._submit(live)
         log.info("engine restarted; %d requests resumed so far", self.recovered)
 
