@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PORT ?= 30000
 N ?= 2
 
-.PHONY: setup test serve serve-replicas bench fuzz lint
+.PHONY: setup test serve serve-replicas bench fuzz soak lint
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,11 @@ bench: setup
 # serves the real model, 8 to 10 minutes on 2 cores); figures in bench/results/fuzz.json.
 fuzz: setup
 	$(BIN)/python -m bench.fuzz --requests 10000 --model tiny
+
+# The soak of issue 18 (bench/soak.py): 500 concurrent streams for 5 minutes, a third hanging
+# up, the worker SIGKILLed twice; nothing may be lost. Figures in bench/results/soak.json.
+soak: setup
+	$(BIN)/python -m bench.soak
 
 lint: setup
 	$(BIN)/ruff check radixserve frontend_lang tests bench examples
