@@ -26,6 +26,10 @@ from radixserve.worker.process import run_worker
 log = logging.getLogger("radixserve")
 
 
+# how long a process whose partner exited on a failure of its own gets to report it and exit
+REPORT_GRACE_S = 2.0
+
+
 class StartupError(RuntimeError):
     pass
 
@@ -142,6 +146,11 @@ class Backend:
                     time.sleep(0.1)
                     continue
                 reason = f"the {dead.name.split('-')[-1]} process died (exit code {dead.exitcode})"
+                if dead.exitcode is not None and dead.exitcode >= 0:
+                    # it exited on a failure it reported (the worker's WorkerFailed): the
+                    # scheduler is passing the report on (EngineFailed), then exits too
+                    for p in self.processes:
+                        p.join(REPORT_GRACE_S)
                 self._kill_all()
                 if self._stopping:
                     return

@@ -384,3 +384,17 @@ def test_a_crash_suspect_runs_alone_until_it_samples():
     assert len(alone) > 3  # then batched with the other
     assert done["suspect", 0]["tokens"] == expected_tokens(list(range(200, 220)), 6)
     assert done["busy", 0]["tokens"] == expected_tokens(list(range(100, 110)), 40)
+
+
+def test_isolated_samples_of_one_request_all_get_their_turn():
+    """Both samples of an isolated request with prompt logprobs finish: sample 1 waits for
+    sample 0's prompt logprobs, and each runs alone until it samples."""
+    sched, worker = make()
+    prompt = list(range(300, 320))
+    sched.add_request(request("iso", prompt, max_new=4, sp={"n": 2}, isolate=True,
+                              return_logprob=True, logprob_start_len=0))
+    done = run(sched, worker, max_steps=200)
+    assert done["iso", 0]["tokens"] == done["iso", 1]["tokens"] == expected_tokens(prompt, 4)
+    assert len(done["iso", 0]["input_logprobs"]) == len(prompt)
+    first_samples = [i for i, b in enumerate(worker.steps) if any(c.sample for c in b.chunks)][:2]
+    assert all(len(b.chunks) == 1 for b in worker.steps[: first_samples[1] + 1])

@@ -286,11 +286,13 @@ class Scheduler:
         without it, and frees what it needs."""
         req = next((r for r in self.running if r.isolated), None)
         if req is None:
-            req = next((r for r in self.waiting if r.isolated and r.grammar_wait is None), None)
-            if req is None:
-                return False
-            self._admit(self.config.chunk_size, [req])
-        elif req.is_prefilling:
+            # the first that can go (sample 1 of a request may wait for sample 0's prefill)
+            for candidate in [r for r in self.waiting if r.isolated and r.grammar_wait is None]:
+                self._admit(self.config.chunk_size, [candidate])
+                if self._in_flight:
+                    return True
+            return False
+        if req.is_prefilling:
             self._continue_prefills([req], self.config.chunk_size)
         else:
             try:
