@@ -42,12 +42,15 @@ _XGRAMMAR_PREFIX = re.compile(r"^\[[0-9:]+\] [^:]+:[0-9]+: ")  # "[04:56:49] /pr
 _XGRAMMAR_CHECK = re.compile(r"Check failed: \(.*?\) is false: ")
 
 
-_xgrammar_lock = threading.Lock()
+# transformers' lazy module is not safe to import from two threads at once (one of them gets
+# "cannot import name ..."): xgrammar imports it, and so does loading the tokenizer, so the
+# scheduler's threads take this lock for either
+IMPORT_LOCK = threading.Lock()
 
 
 def import_xgrammar() -> ModuleType:
     """xgrammar, imported once (thread-safe)."""
-    with _xgrammar_lock:
+    with IMPORT_LOCK:
         import xgrammar
 
         return xgrammar

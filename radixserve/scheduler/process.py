@@ -25,7 +25,7 @@ from radixserve.protocol import (
     WorkerToScheduler,
 )
 from radixserve.scheduler.core import Scheduler
-from radixserve.scheduler.grammar import GrammarCompiler, import_xgrammar
+from radixserve.scheduler.grammar import IMPORT_LOCK, GrammarCompiler, import_xgrammar
 from radixserve.scheduler.request import Request
 from radixserve.scheduler.stop import StopChecker
 
@@ -132,9 +132,10 @@ class _LazyTokenizer:
     def get(self):
         with self._lock:
             if self._tokenizer is None:
-                from radixserve.front.tokenizer import load_tokenizer
+                with IMPORT_LOCK:  # not beside xgrammar's import (scheduler/grammar.py)
+                    from radixserve.front.tokenizer import load_tokenizer
 
-                self._tokenizer = load_tokenizer(self._model_path)
+                    self._tokenizer = load_tokenizer(self._model_path)
             return self._tokenizer
 
 
