@@ -60,6 +60,15 @@ HELP = {
     "grammar_compile_timeout": "seconds a constrained request (json_schema, regex, ebnf, structural_tag, "
     "tools) waits for its grammar to compile; beyond it the request gets 400",
     "startup_timeout": "seconds the model may take to load",
+    "speculative_algorithm": "speculative decoding: ngram (prompt lookup; NGRAM also accepted) drafts the "
+    "next tokens from the request's own prompt and output and checks them in one forward; outputs "
+    "are the same as without it (off by default)",
+    "speculative_num_draft_tokens": "the most draft tokens checked per step and request (fewer while a "
+    "request's drafts are rejected)",
+    "speculative_ngram_min_match_window_size": "shortest suffix of the sequence looked up for a draft",
+    "speculative_ngram_max_match_window_size": "longest suffix of the sequence looked up for a draft",
+    "speculative_max_batch_size": "no drafting while more sequences than this decode, or while prompts "
+    "are prefilled (a compute-bound step gains nothing from it)",
     "max_restarts": "when the scheduler or worker dies, start fresh ones and resume every request in "
     "flight, up to this many times within --restart-window; past that, requests fail with 503 and "
     "the server exits non-zero (0: no restarts)",

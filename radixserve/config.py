@@ -41,6 +41,12 @@ class ServerConfig:
     debug_checks: bool = False  # cross-check page accounting after every step
     grammar_compile_timeout: float = 5.0  # seconds a request waits for its grammar, then 400
     startup_timeout: float = 300.0
+    # speculative decoding (scheduler/ngram.py): None = off; "ngram" (SGLang's "NGRAM" too)
+    speculative_algorithm: str | None = None
+    speculative_num_draft_tokens: int = 4  # the most draft tokens verified per step
+    speculative_ngram_min_match_window_size: int = 2  # shortest suffix looked up
+    speculative_ngram_max_match_window_size: int = 4  # longest suffix looked up
+    speculative_max_batch_size: int = 8  # no drafting when more sequences decode (compute-bound)
     # recovery (front/recovery.py): a dead scheduler or worker is restarted, its requests resumed
     max_restarts: int = 3  # restarts allowed within restart_window; 0: a crash fails everything
     restart_window: float = 300.0  # seconds
@@ -84,6 +90,15 @@ class ServerConfig:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         _at_least("max_body_bytes", self.max_body_bytes, 1)
         _at_least("max_restarts", self.max_restarts, 0)
+        if self.speculative_algorithm is not None:
+            if self.speculative_algorithm.lower() != "ngram":
+                raise ValueError(f"speculative_algorithm must be ngram (or NGRAM), got {self.speculative_algorithm!r}")
+            object.__setattr__(self, "speculative_algorithm", "ngram")
+        _at_least("speculative_num_draft_tokens", self.speculative_num_draft_tokens, 1)
+        _at_least("speculative_ngram_min_match_window_size", self.speculative_ngram_min_match_window_size, 1)
+        _at_least("speculative_ngram_max_match_window_size", self.speculative_ngram_max_match_window_size,
+                  self.speculative_ngram_min_match_window_size)
+        _at_least("speculative_max_batch_size", self.speculative_max_batch_size, 1)
         for name in ("grammar_compile_timeout", "health_timeout", "header_timeout", "body_timeout", "shutdown_timeout",
                      "startup_timeout", "restart_window"):
             if getattr(self, name) <= 0:

@@ -166,6 +166,8 @@ class RequestOutput(msgspec.Struct, omit_defaults=True, array_like=True):
     # The first prompt token's is None.
     input_logprobs: list[float | None] = []
     input_top_logprobs: list[list[tuple[int, float]]] = []
+    # with speculative decoding on: the sample's draft tokens accepted so far (None: off)
+    spec_accepted_tokens: int | None = None
 
 
 class TokenBatchOut(msgspec.Struct, tag=True):
@@ -216,6 +218,8 @@ class SchedulerStats(msgspec.Struct, tag=True):
     grammar_cache_hits_total: int = 0  # grammar requests served by the compiled-grammar cache
     grammar_compile_buckets: list[int] = []  # cumulative counts per GRAMMAR_COMPILE_BUCKETS bound, then +Inf
     grammar_compile_seconds_sum: float = 0.0
+    spec_draft_tokens_total: int = 0  # draft tokens proposed for verification
+    spec_accepted_tokens_total: int = 0  # of those, accepted
 
 
 class SchedulerReady(msgspec.Struct, tag=True):
@@ -261,6 +265,9 @@ class Chunk(msgspec.Struct, array_like=True, omit_defaults=True):
     sample: bool  # the chunk ends the request's known tokens: sample the next one
     input_logprobs_from: int = -1  # return logprobs of the chunk's tokens from this offset on
     next_token_id: int = -1  # token after the chunk, target of its last position's input logprob
+    # speculative decoding: the chunk's last `draft_len` tokens are a draft to verify; the worker
+    # samples after each of its last draft_len + 1 positions while the draws match the draft
+    draft_len: int = 0
     # constrained sampling: the tokens allowed next, one bit per token id (little-endian int32
     # words, xgrammar's layout); empty = any token
     token_bitmask: bytes = b""
@@ -285,6 +292,11 @@ class ChunkResult(msgspec.Struct, array_like=True, omit_defaults=True):
     next_token_id: int = -1  # when the chunk sampled
     logprob: float = 0.0  # of next_token_id under the model's distribution, when return_logprob
     top_logprobs: list[tuple[int, float]] = []
+    # a chunk with a draft: the draft tokens the worker's own draws matched, in order (the
+    # token after them is next_token_id), with their logprobs
+    accepted_ids: list[int] = []
+    accepted_logprobs: list[float] = []
+    accepted_top_logprobs: list[list[tuple[int, float]]] = []
     input_logprobs: list[float] = []  # for input_logprobs_from .. end of chunk
     input_top_logprobs: list[list[tuple[int, float]]] = []
 

@@ -50,7 +50,15 @@ class FakeWorker:
             end = c.prefix_len + len(c.token_ids)
             assert self.table.num_pages(c.row) * self.page_size >= end
             res = ChunkResult()
-            if c.sample:
+            if c.draft_len:  # verify as the real worker does: draw after each position in turn
+                first = len(c.token_ids) - c.draft_len - 1
+                for j in range(first, len(c.token_ids)):
+                    token = fake_token(c.token_ids[j], c.prefix_len + j)
+                    if j == len(c.token_ids) - 1 or token != c.token_ids[j + 1]:
+                        res.next_token_id = token
+                        break
+                    res.accepted_ids.append(token)
+            elif c.sample:
                 res.next_token_id = fake_token(c.token_ids[-1], end - 1)
             if c.input_logprobs_from >= 0:  # as many as the real worker returns
                 targets = len(c.token_ids) - c.input_logprobs_from - 1 + (not c.sample and c.next_token_id >= 0)
@@ -398,3 +406,45 @@ def test_isolated_samples_of_one_request_all_get_their_turn():
     assert len(done["iso", 0]["input_logprobs"]) == len(prompt)
     first_samples = [i for i, b in enumerate(worker.steps) if any(c.sample for c in b.chunks)][:2]
     assert all(len(b.chunks) == 1 for b in worker.steps[: first_samples[1] + 1])
+
+
+def _quoting_prompt(length: int, quote: int) -> tuple[list[int], list[int]]:
+    """A prompt whose output (which depends only on its last token and its length) already
+    stands in it, after an earlier copy of its last two tokens: a quote the drafter finds."""
+    end = [501, 502]
+    out = expected_tokens([0] * (length - 1) + [end[-1]], quote)
+    body = end + out
+    prompt = body + list(range(600, 600 + length - len(body) - len(end))) + end
+    assert len(prompt) == length
+    return prompt, out
+
+
+def test_speculation_gives_the_same_tokens_in_fewer_steps():
+    prompt, quoted = _quoting_prompt(60, 12)
+    want = expected_tokens(prompt, 20)
+    assert want[:12] == quoted
+    plain_sched, plain_worker = make(chunk_size=64)
+    plain_sched.add_request(request("plain", prompt, max_new=20))
+    plain = run(plain_sched, plain_worker)
+    sched, worker = make(chunk_size=64, speculative_algorithm="NGRAM", speculative_num_draft_tokens=4)
+    sched.add_request(request("spec", prompt, max_new=20))
+    done = run(sched, worker)
+    assert done["spec", 0]["tokens"] == plain["plain", 0]["tokens"] == want
+    assert done["spec", 0]["finish"].type == "length"
+    assert sched.counters.spec_accepted_tokens >= 8  # the quote, drafted 4 at a time
+    assert len(worker.steps) < len(plain_worker.steps) - 5
+    assert sched.counters.spec_draft_tokens >= sched.counters.spec_accepted_tokens
+
+
+@pytest.mark.parametrize("at", [1, 3, 6])
+def test_a_stop_inside_an_accepted_draft_ends_there(at):
+    prompt, quoted = _quoting_prompt(60, 12)
+    stop = quoted[at]
+    for options in ({}, {"speculative_algorithm": "ngram"}):
+        sched, worker = make(chunk_size=64, **options)
+        sched.add_request(request("stop", prompt, max_new=20, sp={"stop_token_ids": [stop]}))
+        sched.add_request(request("short", prompt, max_new=at + 1))
+        done = run(sched, worker)
+        assert done["stop", 0]["tokens"] == quoted[: quoted.index(stop) + 1], options
+        assert done["stop", 0]["finish"].type == "stop"
+        assert done["short", 0]["tokens"] == quoted[: at + 1] and done["short", 0]["finish"].type == "length"

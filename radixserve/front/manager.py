@@ -351,6 +351,8 @@ class TokenizerManager:
         }
         if state.done:
             meta["ttft"] = (state.first_token_time or now) - start
+        if state.spec_accepted_tokens is not None:
+            meta["spec_accepted_tokens"] = state.spec_accepted_tokens
         if req.return_logprob:
             meta.update(self._logprob_meta(req, state))
         return {"index": index, "text": state.visible_text, "output_ids": list(state.output_ids), "meta_info": meta}

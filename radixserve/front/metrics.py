@@ -47,6 +47,8 @@ _COUNTERS = (
     ("num_retractions", "Requests retracted (pages freed, resumed later) when the pool ran out.", "num_retractions_total"),
     ("grammar_compiles", "Grammars compiled (constrained decoding; cache misses).", "grammar_compiles_total"),
     ("grammar_cache_hits", "Constrained requests whose grammar came from the compiled-grammar cache.", "grammar_cache_hits_total"),
+    ("spec_draft_tokens", "Draft tokens proposed for verification (speculative decoding).", "spec_draft_tokens_total"),
+    ("spec_accepted_tokens", "Draft tokens accepted (speculative decoding).", "spec_accepted_tokens_total"),
 )
 
 

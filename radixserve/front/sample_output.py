@@ -46,6 +46,7 @@ class SampleOutput:
         self.output_logprobs: list[float] = []
         self.output_top_logprobs: list[list[tuple[int, float]]] = []
         self.first_token_time: float | None = None
+        self.spec_accepted_tokens: int | None = None  # with speculative decoding on
         self.done = False
 
     def apply(self, out: RequestOutput) -> None:
@@ -55,6 +56,8 @@ class SampleOutput:
         self.output_ids.extend(out.new_token_ids)
         self.text += self._detok.add(out.new_token_ids)  # one add per output, as the scheduler's
         self.prompt_tokens, self.cached_tokens = out.prompt_tokens, out.cached_tokens
+        if out.spec_accepted_tokens is not None:
+            self.spec_accepted_tokens = out.spec_accepted_tokens
         self.output_logprobs.extend(out.output_logprobs)
         self.output_top_logprobs.extend(out.output_top_logprobs)
         if out.input_logprobs:

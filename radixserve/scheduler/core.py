@@ -45,6 +45,7 @@ from radixserve.protocol import (
 )
 from radixserve.scheduler.grammar import GrammarCompiler, GrammarError
 from radixserve.scheduler.kv import KVManager, pages_for
+from radixserve.scheduler.ngram import NgramDrafter
 from radixserve.scheduler.policy import order_waiting, shares_uncached_prefix
 from radixserve.scheduler.request import Request
 from radixserve.scheduler.stop import StopChecker
@@ -65,6 +66,8 @@ class Counters:
     cached_prompt_tokens: int = 0
     generation_tokens: int = 0
     retractions: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 class Scheduler:
@@ -91,6 +94,7 @@ class Scheduler:
         self._arrivals = 0
         self._make_stop_checker = stop_checker_factory
         self.grammars = grammars
+        self.speculative = config.speculative_algorithm == "ngram"
         self._bitmask: Any = None  # one row, refilled for each constrained chunk that samples
         self._stop_checkers: dict[str, StopChecker] = {}
         # submissions whose sample 0 has not yet sent the prompt's logprobs: their other samples
@@ -183,6 +187,8 @@ class Scheduler:
             generation_tokens_total=self.counters.generation_tokens,
             num_retractions_total=self.counters.retractions,
             last_step_time=self.last_step_time,
+            spec_draft_tokens_total=self.counters.spec_draft_tokens,
+            spec_accepted_tokens_total=self.counters.spec_accepted_tokens,
             **self._grammar_stats(),
         )
 
@@ -313,19 +319,45 @@ class Scheduler:
     def _schedule_decodes(self) -> None:
         decoding = [r for r in self.running if not r.is_prefilling and not r.isolated and not self._scheduled(r)]
         while True:
-            need = sum(pages_for(r.computed_len + 1, self.page_size) - len(r.pages) for r in decoding)
+            need = sum(max(0, pages_for(r.computed_len + 1, self.page_size) - len(r.pages)) for r in decoding)
             if need <= self.kv.available_pages or len(self.running) <= 1:
                 break
             victim = self._victim()
             self._retract(victim)
             if victim in decoding:
                 decoding.remove(victim)
+        drafting = self._drafting(decoding)
         for req in decoding:
+            draft = self._draft(req) if drafting else []
             try:
-                self.kv.grow(req, req.computed_len + 1)
+                self.kv.grow(req, req.computed_len + 1 + len(draft))
             except OutOfPages:
-                continue  # a lone request at the pool's limit: context_len prevents this
-            self._add_chunk(req, 1)
+                draft = []  # no room for the draft's slots: a plain decode step
+                try:
+                    self.kv.grow(req, req.computed_len + 1)
+                except OutOfPages:
+                    continue  # a lone request at the pool's limit: context_len prevents this
+            self._add_chunk(req, 1, draft)
+
+    def _drafting(self, decoding: list[Request]) -> bool:
+        """Speculate only while a step is bound by memory reads (few sequences decoding, no
+        prompt to prefill): verifying drafts in a compute-bound step would only slow it."""
+        if not self.speculative or len(decoding) > self.config.speculative_max_batch_size:
+            return False
+        return not self.waiting and not any(r.is_prefilling for r in self.running)
+
+    def _draft(self, req: Request) -> list[int]:
+        """The request's next draft: tokens its own prompt and output suggest (scheduler/ngram.py),
+        at most its current draft length and never past its budget (the token sampled after the
+        draft counts too). None for a constrained request: its bitmask holds for one position."""
+        if req.matcher is not None:
+            return []
+        if req.drafter is None:
+            c = self.config
+            req.drafter = NgramDrafter(c.speculative_ngram_min_match_window_size, c.speculative_ngram_max_match_window_size)
+            req.draft_k = c.speculative_num_draft_tokens
+        room = min(req.sampling.max_new_tokens - len(req.output_ids), self.context_len - req.fill_len) - 1
+        return req.drafter.propose(req.fill_ids, min(req.draft_k, room))
 
     def _schedule_prompts(self, budget: int) -> None:
         """Share the step's prompt-token budget between running prefills and admission.
@@ -453,11 +485,15 @@ class Scheduler:
     def _scheduled(self, req: Request) -> bool:
         return req.key in self._in_flight_keys
 
-    def _add_chunk(self, req: Request, n: int) -> None:
+    def _add_chunk(self, req: Request, n: int, draft: list[int] | None = None) -> None:
+        """The next `n` known tokens of the request (and, for a decode, a draft to verify)."""
         start, end = req.computed_len, req.computed_len + n
         fill = req.fill_ids
         sample = end == req.fill_len and req.sampling.max_new_tokens > len(req.output_ids)
         chunk = Chunk(rid=req.key, row=req.row, prefix_len=start, token_ids=fill[start:end], sample=sample)
+        if draft:
+            chunk.token_ids += draft
+            chunk.draft_len = len(draft)
         if sample and req.matcher is not None:
             if self._bitmask is None:
                 self._bitmask = self.grammars.new_bitmask()
@@ -478,10 +514,13 @@ class Scheduler:
     def process_result(self, result: ForwardResult) -> None:
         self.last_step_time = time.time()
         for (req, chunk), res in zip(self._in_flight, result.results):
+            if chunk.draft_len:
+                self._take_verified(req, chunk, res)
+                continue
             req.computed_len += len(chunk.token_ids)
             self._collect_input_logprobs(req, chunk, res)
             if chunk.sample:
-                self._append_token(req, res)
+                self._append_token(req, res.next_token_id, res.logprob, res.top_logprobs)
             elif req.computed_len == req.fill_len and req.sampling.max_new_tokens <= len(req.output_ids):
                 self._finish(req, FinishReason("length"))  # max_new_tokens 0: prompt logprobs only
             if req.finish is None and req.computed_len < req.fill_len:
@@ -496,8 +535,29 @@ class Scheduler:
         req.input_logprobs.extend(res.input_logprobs)
         req.input_top_logprobs.extend(res.input_top_logprobs)
 
-    def _append_token(self, req: Request, res: ChunkResult) -> None:
-        token = res.next_token_id
+    def _take_verified(self, req: Request, chunk: Chunk, res: ChunkResult) -> None:
+        """A decode step with a draft: keep the KV of the last token and of the accepted draft
+        tokens (the rejected ones' slots are past `computed_len`: overwritten later, never
+        published to the tree), append the accepted tokens and the one sampled after them, one
+        output each (so stops, `max_new_tokens` and the texts of both ends stay per token), and
+        adapt the request's draft length to how much was accepted."""
+        accepted = res.accepted_ids
+        req.computed_len += len(chunk.token_ids) - chunk.draft_len + len(accepted)
+        req.spec_accepted += len(accepted)
+        self.counters.spec_draft_tokens += chunk.draft_len
+        self.counters.spec_accepted_tokens += len(accepted)
+        full = len(accepted) == chunk.draft_len
+        req.draft_k = max(1, min(self.config.speculative_num_draft_tokens, 2 * req.draft_k if full else len(accepted) + 1))
+        tokens = [*accepted, res.next_token_id]
+        logprobs = [*res.accepted_logprobs, res.logprob] if req.return_logprob else [0.0] * len(tokens)
+        tops = [*res.accepted_top_logprobs, res.top_logprobs] if req.top_logprobs_num else [[]] * len(tokens)
+        for token, logprob, top in zip(tokens, logprobs, tops, strict=True):
+            self._append_token(req, token, logprob, top)
+            if req.finish is not None:
+                return
+        self.kv.cache_progress(req)
+
+    def _append_token(self, req: Request, token: int, logprob: float, top: list[tuple[int, float]]) -> None:
         req.output_ids.append(token)
         req.isolated = False  # a crash suspect that samples has cleared itself
         self.counters.generation_tokens += 1
@@ -511,8 +571,8 @@ class Scheduler:
             finish = self._stop_reason(req, new_tokens)
         out = self._output(req, new_tokens, finish)
         if req.return_logprob:
-            out.output_logprobs = [res.logprob]
-            out.output_top_logprobs = [res.top_logprobs] if req.top_logprobs_num else []
+            out.output_logprobs = [logprob]
+            out.output_top_logprobs = [top] if req.top_logprobs_num else []
         if finish is not None:
             self._end(req, finish)
         self.outputs.append(out)
@@ -548,6 +608,7 @@ class Scheduler:
         out = RequestOutput(
             rid=req.rid, index=req.index, new_token_ids=tokens, prompt_tokens=len(req.input_ids),
             cached_tokens=req.cached_tokens, finish=finish,
+            spec_accepted_tokens=req.spec_accepted if self.speculative else None,
         )
         if req.return_logprob and req.input_logprobs_done and not req.input_logprobs_sent:
             lead = 1 if req.logprob_start_len == 0 else 0  # the first prompt token has no logprob

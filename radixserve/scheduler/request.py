@@ -59,6 +59,11 @@ class Request:
     # a suspect of the last engine crash (TokenizedRequest.isolate): scheduled in steps of its
     # own until it samples a token
     isolated: bool = False
+    # speculative decoding (scheduler/ngram.py): the sample's drafter, made at its first draft,
+    # how many tokens its next draft may have, and how many of its draft tokens were accepted
+    drafter: Any = None
+    draft_k: int = 0
+    spec_accepted: int = 0
     created: float = field(default_factory=time.monotonic)
 
     @property

@@ -15,7 +15,7 @@ import torch
 
 from radixserve.config import ServerConfig
 from radixserve.kernels import isa
-from radixserve.protocol import ChunkResult, ForwardBatch, ForwardResult, WorkerReady
+from radixserve.protocol import Chunk, ChunkResult, ForwardBatch, ForwardResult, WorkerReady
 from radixserve.worker.attention import create_backend
 from radixserve.worker.cuda_graph import graph_batch_sizes
 from radixserve.worker.device import dtype_name, resolve_device, resolve_dtype
@@ -120,11 +120,14 @@ class Worker:
     def _run(self, batch: ForwardBatch, results: list[ChunkResult]) -> None:
         out = self.runner.forward(
             [
-                SequenceChunk(c.row, c.prefix_len, c.token_ids, all_logits=c.input_logprobs_from >= 0)
+                SequenceChunk(c.row, c.prefix_len, c.token_ids, all_logits=c.input_logprobs_from >= 0 or c.draft_len > 0)
                 for c in batch.chunks
             ]
         )
-        sampling = [i for i, c in enumerate(batch.chunks) if c.sample]
+        for i, c in enumerate(batch.chunks):
+            if c.draft_len:
+                self._verify(c, out.all_logits[i][-(c.draft_len + 1) :], results[i])
+        sampling = [i for i, c in enumerate(batch.chunks) if c.sample and not c.draft_len]
         if sampling:
             states = [self.states[batch.chunks[i].rid] for i in sampling]
             bitmasks = [batch.chunks[i].token_bitmask for i in sampling]
@@ -138,6 +141,27 @@ class Worker:
         for i, c in enumerate(batch.chunks):
             if c.input_logprobs_from >= 0:
                 self._input_logprobs(c, out.all_logits[i], results[i])
+
+    def _verify(self, chunk: Chunk, logits: torch.Tensor, result: ChunkResult) -> None:
+        """Check a draft: sample after each position in turn, as plain decode steps would, and
+        stop at the first draw that differs from the draft. Every draw is the sampler's own
+        (greedy argmax, or the request's seeded generator at that step), so the tokens are those
+        decoding without a draft gives: exact for greedy and seeded sampling, and distributed as
+        plain sampling otherwise. logits: [draft_len + 1, V], after the last known token and
+        after each draft token."""
+        state = self.states[chunk.rid]
+        draft = chunk.token_ids[-chunk.draft_len :]
+        for j in range(chunk.draft_len + 1):
+            sampled = self.sampler.sample(logits[j : j + 1], [state])
+            token = sampled.token_ids[0]
+            state.output_ids.append(token)
+            logprob, top = sampled.logprobs.logprobs[0], sampled.logprobs.top[0]
+            if j == chunk.draft_len or token != draft[j]:
+                result.next_token_id, result.logprob, result.top_logprobs = token, logprob, top
+                return
+            result.accepted_ids.append(token)
+            result.accepted_logprobs.append(logprob)
+            result.accepted_top_logprobs.append(top)
 
     def _input_logprobs(self, chunk, logits: torch.Tensor, result: ChunkResult) -> None:
         """Logprob of each token after position `input_logprobs_from` of the chunk, given the tokens before it.

@@ -1,0 +1,118 @@
+"""Speculative decoding by prompt lookup (`speculative_algorithm="ngram"`): the same outputs as
+without it, token for token, with drafts really accepted.
+
+A random tiny model (real tokenizer) falls into loops, so its own output soon repeats and the
+drafter has spans to propose; prompts that quote themselves add more. Greedy output, seeded
+sampling (a draw depends only on seed and step, so it is the same draw with or without a
+draft), stop strings, logprobs, n > 1, chunked prefill and retraction under a tiny pool, at
+page sizes 1 and 16.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from runtime_helpers import make_tiny_chat_model
+from transformers import AutoModelForCausalLM
+
+from radixserve import Engine
+
+DOC = "The river flows north to the sea, past the mill and the old stone bridge. " * 6
+PROMPTS = [DOC + "Quote the text:", "Hello there, how are you today?", DOC[:120] + " and then", "1 2 3 4 5 6 7 8"]
+# every sequence of these batches may draft (the default stops at 8 decoding)
+SPEC = {"speculative_algorithm": "ngram", "speculative_num_draft_tokens": 4, "speculative_max_batch_size": 64}
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_chat_model(tmp_path_factory.mktemp("spec") / "model")
+
+
+@pytest.fixture(scope="module")
+def echo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model that mostly repeats itself: its layers are nearly silent, so the tied LM head
+    scores the embedding of the last token highest. Its loops give the drafter spans to propose
+    that are accepted, partly or whole."""
+    path = make_tiny_chat_model(tmp_path_factory.mktemp("spec_echo") / "model", seed=1)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and "embed" not in name:
+                p.mul_(0.05)
+    model.save_pretrained(path)
+    return path
+
+
+def _outputs(tiny_dir: Path, options: dict, params: list[dict], **kwargs) -> list[dict]:
+    with Engine(model=str(tiny_dir), dtype="float32", **options) as engine:
+        return engine.generate([p for p in PROMPTS for _ in params], [q for _ in PROMPTS for q in params], **kwargs)
+
+
+def _same(plain: list[dict], spec: list[dict], logprobs: bool = False) -> int:
+    """Assert equal outputs; return how many draft tokens were accepted in all."""
+    assert len(plain) == len(spec)
+    for a, b in zip(plain, spec, strict=True):
+        assert b["output_ids"] == a["output_ids"] and b["text"] == a["text"]
+        assert b["meta_info"]["finish_reason"] == a["meta_info"]["finish_reason"]
+        assert "spec_accepted_tokens" not in a["meta_info"]
+        if logprobs:
+            got = [lp for lp, _, _ in b["meta_info"]["output_token_logprobs"]]
+            want = [lp for lp, _, _ in a["meta_info"]["output_token_logprobs"]]
+            assert got == pytest.approx(want, abs=1e-4)
+    return sum(b["meta_info"]["spec_accepted_tokens"] for b in spec)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_greedy_seeded_stop_strings_and_n_are_unchanged(tiny_dir, echo_dir, page_size):
+    params = [
+        {"max_new_tokens": 60, "temperature": 0.0, "ignore_eos": True},
+        {"max_new_tokens": 60, "temperature": 0.9, "top_p": 0.95, "seed": 7, "ignore_eos": True},
+        {"max_new_tokens": 60, "temperature": 0.0, "stop": ["the", "ing"], "ignore_eos": True},
+        {"max_new_tokens": 40, "temperature": 0.7, "seed": 3, "n": 2, "ignore_eos": True},
+    ]
+    options = {"page_size": page_size, "kv_pages": 8192 // page_size}
+    for model in (tiny_dir, echo_dir):
+        plain = _outputs(model, options, params)
+        spec = _outputs(model, {**options, **SPEC}, params)
+        accepted = _same(plain, spec)
+    assert accepted > 200  # the echo model's drafts were really accepted
+
+
+def test_logprobs_chunked_prefill_and_retraction_are_unchanged(echo_dir):
+    params = [{"max_new_tokens": 50, "temperature": 0.0, "ignore_eos": True}]
+    # a pool of 96 pages of 4 tokens for 4 requests of up to ~190 tokens: retractions happen
+    options = {"page_size": 4, "kv_pages": 96, "chunk_size": 16, "max_running_requests": 4}
+    kwargs = {"return_logprob": True, "top_logprobs_num": 2}
+    plain = _outputs(echo_dir, options, params, **kwargs)
+    spec = _outputs(echo_dir, {**options, **SPEC}, params, **kwargs)
+    assert _same(plain, spec, logprobs=True) > 20
+
+
+def test_the_option_validates_and_takes_sglang_spelling():
+    from radixserve.config import ServerConfig
+
+    assert ServerConfig(speculative_algorithm="NGRAM").speculative_algorithm == "ngram"
+    with pytest.raises(ValueError, match="ngram"):
+        ServerConfig(speculative_algorithm="eagle")
+    with pytest.raises(ValueError, match="max_match_window"):
+        ServerConfig(speculative_ngram_min_match_window_size=5, speculative_ngram_max_match_window_size=3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_the_default_model_quoting_its_document_is_unchanged_and_drafts_are_accepted(page_size):
+    """fp32 (bf16 numerics of a many-token forward differ from a one-token step's, as another
+    batch's would, so a near-tie can flip there)."""
+    from pydoc_data.topics import topics
+
+    doc = topics["for"][:900]
+    prompts = [doc + "\n\nRepeat the text above word for word:\n", "Write a short poem about autumn leaves."]
+    params = {"max_new_tokens": 48, "temperature": 0.0}
+    outs = []
+    for extra in ({}, SPEC):
+        with Engine(model="default", dtype="float32", page_size=page_size, chunk_size=256, **extra) as engine:
+            outs.append([engine.generate(p, params) for p in prompts])
+    assert _same(*outs) > 10
+    assert outs[1][0]["meta_info"]["spec_accepted_tokens"] > 10  # the quote is drafted from the document
