@@ -349,7 +349,7 @@ class Scheduler:
     def _draft(self, req: Request) -> list[int]:
         """The request's next draft: tokens its own prompt and output suggest (scheduler/ngram.py),
         at most its current draft length and never past its budget (the token sampled after the
-        draft counts too). None for a constrained request: its bitmask holds for one position."""
+        draft counts too). Empty for a constrained request: its bitmask holds for one position."""
         if req.matcher is not None:
             return []
         if req.drafter is None:
