@@ -43,6 +43,7 @@ DEFAULT_SIZES: dict[str, dict[str, int]] = {
     "agent": dict(agents=8, steps=5, tools=6, tool_tokens=80, observation_tokens=60, max_tokens=24),
     "agent_fork": dict(problems=6, context_tokens=300, branches=4, max_tokens=16),
     "unique": dict(requests=32, prompt_tokens=400, max_tokens=16),
+    "quote": dict(docs=4, doc_tokens=600, questions=4, max_tokens=64),
 }
 # A smoke-test size for every workload (a handful of requests each).
 QUICK_SIZES: dict[str, dict[str, int]] = {
@@ -52,6 +53,7 @@ QUICK_SIZES: dict[str, dict[str, int]] = {
     "agent": dict(agents=2, steps=2, tools=2, tool_tokens=20, observation_tokens=10, max_tokens=4),
     "agent_fork": dict(problems=1, context_tokens=40, branches=2, max_tokens=4),
     "unique": dict(requests=4, prompt_tokens=40, max_tokens=4),
+    "quote": dict(docs=1, doc_tokens=80, questions=2, max_tokens=4),
 }
 SERVERS: dict[str, tuple[str, ...]] = {
     "radixserve": (),

@@ -24,6 +24,7 @@ boundaries and re-tokenized, which can move a count by a token or two).
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pydoc_data.topics import topics
@@ -235,8 +236,30 @@ def unique(tokenizer: Any, *, requests: int = 24, prompt_tokens: int = 400, max_
                                                  max_tokens=max_tokens, seed=seed))
 
 
+def quote(tokenizer: Any, *, docs: int = 4, doc_tokens: int = 600, questions: int = 4, max_tokens: int = 64,
+          seed: int = 0) -> Workload:
+    """D documents of ~L tokens, Q requests on each to copy a passage of the document word for
+    word, from the start of one of its sentences: answers that quote their prompt, which is what
+    speculative decoding by prompt lookup is for. Seeded random order."""
+    rng = random.Random(seed)
+    pool = TextPool(tokenizer, seed)
+    roots = []
+    for d in range(docs):
+        doc = pool.take(doc_tokens)
+        sentences = [s for s in re.split(r"(?<=[.!?:])\s+", doc) if len(s.split()) >= 8] or [doc]
+        for _ in range(questions):
+            start = re.match(r"\S+(?:\s+\S+){5}", rng.choice(sentences)).group(0)  # as the document has it
+            text = (f"Document:\n{doc}\n\nCopy the passage of the document that begins with \"{start}\", word "
+                    f"for word:\n{start}")
+            roots.append(Node(text, max_tokens, f"quote{d}"))
+    rng.shuffle(roots)
+    return Workload("quote", tuple(roots), dict(docs=docs, doc_tokens=doc_tokens, questions=questions,
+                                                max_tokens=max_tokens, seed=seed))
+
+
 WORKLOADS: dict[str, Callable[..., Workload]] = {
     "rag": rag, "chat": chat, "fewshot": fewshot, "agent": agent, "agent_fork": agent_fork, "unique": unique,
+    "quote": quote,
 }
 
 

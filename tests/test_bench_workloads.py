@@ -104,3 +104,12 @@ def test_node_walk_order():
     leaf = Node("c", 1, "g")
     root = Node("a", 1, "g", (Node("b", 1, "g", (leaf,)), Node("d", 1, "g")))
     assert [n.text for n in root.walk()] == ["a", "b", "c", "d"]
+
+
+def test_quote_asks_to_copy_a_passage_that_stands_in_its_document(tokenizer):
+    w = build("quote", tokenizer, docs=2, doc_tokens=200, questions=3, max_tokens=32)
+    assert w.num_requests == 6 and {n.group for n in w.roots} == {"quote0", "quote1"}
+    for node in w.roots:
+        doc, ask = node.text.split("\n\nCopy the passage of the document that begins with ")
+        start = ask.split('"')[1]
+        assert start in doc and node.text.endswith(start) and node.max_tokens == 32
