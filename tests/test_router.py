@@ -38,10 +38,22 @@ def with_router(test):
 DOC = " ".join(f"Fact {i}: the river {random.Random(i).choice('ABCDEFGH')} flows north." for i in range(30))
 
 
+def _ephemeral_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_ports(count: int) -> int:
-    """A base port with `count` free ports after it, and base + 1000 free (the router's metrics)."""
+    """A base port with `count` free ports after it, and base + 1000 free (the router's metrics).
+
+    Drawn below the kernel's ephemeral range: a port in it that is free now may be taken by any
+    outgoing connection (the tests' own clients) before the router binds it, as happened once.
+    """
+    top = min(_ephemeral_start(), 65536) - 1001 - count
     for _ in range(200):
-        base = random.randint(20000, 40000)
+        base = random.randint(10000, max(10001, top))
         wanted = [*range(base, base + count), base + 1000]
         try:
             socks = []
