@@ -22,15 +22,17 @@ def reference(tokens: list[int], k: int, lo: int, hi: int) -> list[int]:
 def test_a_quoted_span_is_proposed():
     prompt = [5, 6, 7, 8, 9, 10, 11, 3, 4]
     drafter = NgramDrafter(2, 4)
-    assert drafter.propose(prompt + [6, 7], 3) == [8, 9, 10]  # "6 7" was followed by "8 9 10"
-    assert drafter.propose(prompt + [6, 7, 8, 9], 5) == [10, 11, 3, 4, 6]  # runs into the output too
-    assert NgramDrafter(2, 4).propose([1, 2, 3], 4) == []  # nothing repeats
+    assert drafter.propose(prompt, [6, 7], 3) == [8, 9, 10]  # "6 7" was followed by "8 9 10"
+    assert drafter.propose(prompt, [6, 7, 8, 9], 5) == [10, 11, 3, 4, 6]  # runs into the output too
+    assert NgramDrafter(2, 4).propose([1, 2], [3], 4) == []  # nothing repeats
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.integers(0, 4), min_size=1, max_size=60), st.integers(1, 6), st.integers(1, 3), st.integers(0, 3))
-def test_incremental_drafts_equal_the_reference(tokens, k, lo, extra):
+@given(st.lists(st.integers(0, 4), min_size=1, max_size=60), st.integers(1, 6), st.integers(1, 3), st.integers(0, 3),
+       st.integers(1, 60))
+def test_incremental_drafts_equal_the_reference(tokens, k, lo, extra, prompt_len):
     hi = lo + extra
     drafter = NgramDrafter(lo, hi)
-    for end in range(1, len(tokens) + 1):  # the sequence grows one token at a time
-        assert drafter.propose(tokens[:end], k) == reference(tokens[:end], k, lo, hi)
+    prompt = tokens[: min(prompt_len, len(tokens))]
+    for end in range(len(prompt), len(tokens) + 1):  # the output grows one token at a time
+        assert drafter.propose(prompt, tokens[len(prompt) : end], k) == reference(tokens[:end], k, lo, hi)

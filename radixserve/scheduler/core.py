@@ -357,7 +357,7 @@ class Scheduler:
             req.drafter = NgramDrafter(c.speculative_ngram_min_match_window_size, c.speculative_ngram_max_match_window_size)
             req.draft_k = c.speculative_num_draft_tokens
         room = min(req.sampling.max_new_tokens - len(req.output_ids), self.context_len - req.fill_len) - 1
-        return req.drafter.propose(req.fill_ids, min(req.draft_k, room))
+        return req.drafter.propose(req.input_ids, req.output_ids, min(req.draft_k, room))
 
     def _schedule_prompts(self, budget: int) -> None:
         """Share the step's prompt-token budget between running prefills and admission.

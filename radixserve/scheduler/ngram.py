@@ -26,14 +26,20 @@ class NgramDrafter:
         if not 1 <= min_window <= max_window:
             raise ValueError(f"need 1 <= min window <= max window, got {min_window}, {max_window}")
         self.min_window, self.max_window = min_window, max_window
+        self._tokens: list[int] = []  # prompt + output so far, extended by the new outputs only
         self._index: dict[tuple[int, ...], int] = {}
         self._indexed = 0  # n-grams ending at positions < this are in the index
 
-    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+    def propose(self, prompt: Sequence[int], output: Sequence[int], k: int) -> list[int]:
         """Up to `k` tokens that followed the latest earlier occurrence of the longest suffix
-        of `tokens` found (none: []). `tokens` only ever grows between calls."""
+        of prompt + output found (none: []). The prompt stays the same between calls and the
+        output only grows: each call costs the new tokens, not the whole sequence."""
         if k <= 0:
             return []
+        if not self._tokens:
+            self._tokens = list(prompt)
+        self._tokens.extend(output[len(self._tokens) - len(prompt) :])
+        tokens = self._tokens
         self._catch_up(tokens)
         end = len(tokens)
         for n in range(min(self.max_window, end - 1), self.min_window - 1, -1):
