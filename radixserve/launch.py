@@ -88,7 +88,8 @@ class Backend:
             self.placement: Placement = plan(config.num_threads, config.cpu_affinity)
         except ValueError as exc:
             raise StartupError(str(exc)) from None
-        self.restarts = 0  # engine restarts so far (radixserve_engine_restarts_total)
+        # restarts tried, for the log; the front counts those that took (radixserve_engine_restarts_total)
+        self._attempts = 0
         self._budget = RestartBudget(config.max_restarts, config.restart_window)
         self._stopping = False
         self._watch_thread: threading.Thread | None = None
@@ -173,8 +174,8 @@ class Backend:
                     "spent already (--max-restarts, --restart-window)"
                 )
                 return False
-            self.restarts += 1
-            log.warning("restarting the scheduler and worker (restart %d)", self.restarts)
+            self._attempts += 1
+            log.warning("restarting the scheduler and worker (restart %d)", self._attempts)
             self.receiver.close()
             self.endpoints.remove()
             self._create()
@@ -182,12 +183,12 @@ class Backend:
                 self._start()
             except StartupError as exc:
                 self._kill_all()
-                reason = f"{reason}; restart {self.restarts} failed: {exc}"
-                log.error("restart %d failed: %s", self.restarts, exc)
+                reason = f"{reason}; restart {self._attempts} failed: {exc}"
+                log.error("restart %d failed: %s", self._attempts, exc)
                 continue
             if self._stopping:
                 break
-            log.info("the scheduler and worker are back (restart %d)", self.restarts)
+            log.info("the scheduler and worker are back (restart %d)", self._attempts)
             events.engine_restarted(self.endpoints, self.receiver)
             return True
         return False

@@ -66,7 +66,7 @@ class LiveRequest:
     def record(self, out: RequestOutput) -> None:
         """Note an output as it is dispatched to the caller (before the caller reads it)."""
         if out.new_token_ids:
-            self.groups[out.index].append(list(out.new_token_ids))
+            self.groups[out.index].append(out.new_token_ids)  # the decoded message's own list
             self.crashes = 0
         self.cached_tokens[out.index] = out.cached_tokens
         if out.input_logprobs:
