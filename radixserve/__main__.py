@@ -79,10 +79,13 @@ HELP = {
     "the scheduler and front then run on the other cores this process may use, if any",
     "host": "address to listen on; 127.0.0.1 keeps the server local (use 0.0.0.0 with --api-key)",
     "port": "TCP port to listen on",
-    "api_key": f"require 'Authorization: Bearer <key>' on every route but /health (or set ${API_KEY_ENV})",
+    "api_key": "require 'Authorization: Bearer <key>' on every route but /health and the chat "
+    f"page's files (or set ${API_KEY_ENV})",
     "api_key_file": "a file of API keys, one per line as 'KEY' or 'KEY TENANT' (# comments): each "
     "key's requests get their tenant's own prefix cache; replaces --api-key",
     "served_model_name": "the model id in the OpenAI API (/v1/models, the 'model' field); default: --model",
+    "disable_web_ui": "serve no chat page at GET / (it is on by default: a page that talks to "
+    "/v1/chat/completions and shows each reply's cached tokens)",
     "max_body_bytes": "largest request body accepted, in bytes (413 beyond)",
     "health_timeout": "seconds the scheduler and worker have to answer a /health check",
     "header_timeout": "seconds a client has to send a request's line and headers, from connecting "

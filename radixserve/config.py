@@ -59,6 +59,7 @@ class ServerConfig:
     api_key: str | None = None
     api_key_file: str | None = None  # one key per line, `key [tenant]`: a tenant per key (front/tenants.py)
     served_model_name: str | None = None  # the model id of the OpenAI API; None: `model`
+    disable_web_ui: bool = False  # GET / serves no chat page (front/web_ui.py): a 404 as on any unknown route
     max_body_bytes: int = 32 * 1024 * 1024  # largest request body accepted (413 above)
     health_timeout: float = 10.0  # /health: seconds the scheduler and worker have to answer
     header_timeout: float = 10.0  # seconds a client has to send a request's head (else closed)

@@ -27,7 +27,7 @@ from bench.fuzz.values import (
 
 ADMIN_GETS = ("/health", "/health_generate", "/metrics", "/server_info", "/get_server_info", "/model_info",
               "/get_model_info", "/v1/models", "/flush_cache")
-ODD_PATHS = ("/", "/generate/", "/v1/chat/completions/", "/v2/generate", "/v1", "/%00", "/..%2fserver_info",
+ODD_PATHS = ("/web/", "/generate/", "/v1/chat/completions/", "/v2/generate", "/v1", "/%00", "/..%2fserver_info",
              "/GENERATE", "/generate?x=1", "/v1/completions?stream=true", "/" + "a" * 4000, "/%C2%B2")
 
 

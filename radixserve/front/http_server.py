@@ -4,6 +4,7 @@
 the `TokenizerManager` is created in the server's own event loop (lifespan). Routes are thin:
 parse, call the front library, shape the answer.
 
+    GET  /                 the chat page (front/web_ui.py; no API key needed); off with --disable-web-ui
     GET  /health           200 only when the scheduler and worker answer (no API key needed)
     GET  /metrics          Prometheus text
     GET  /health_generate  the same check (SGLang's name for it; needs the API key)
@@ -39,7 +40,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from radixserve import __version__
 from radixserve.config import ServerConfig
-from radixserve.front import openai_api
+from radixserve.front import openai_api, web_ui
 from radixserve.front.http_common import (
     SSE_DONE,
     HTTPError,
@@ -84,7 +85,7 @@ _GENERATE_LOGGING_FLAGS = frozenset({"log_metrics", "no_logs"})
 
 def create_app(config: ServerConfig, backend: Backend, ready: SchedulerReady, tokenizer: Any) -> Starlette:
     """The ASGI app over a started backend. The API key (or the keys of --api-key-file), if any,
-    guards every route but /health."""
+    guards every route but /health and the chat page's files (which hold no secret)."""
     state = ServerState(config=config, backend=backend, ready=ready, tokenizer=tokenizer)
     routes = [
         Route("/health", health, methods=["GET"]),
@@ -103,6 +104,10 @@ def create_app(config: ServerConfig, backend: Backend, ready: SchedulerReady, to
         Route("/v1/completions", openai_api.completions, methods=["POST"]),
         Route("/v1/chat/completions", openai_api.chat_completions, methods=["POST"]),
     ]
+    public = frozenset({"/health"})
+    if not config.disable_web_ui:
+        routes += web_ui.routes()
+        public |= web_ui.PUBLIC_PATHS
     app = Starlette(
         routes=routes, lifespan=_lifespan,
         exception_handlers={HTTPException: _http_exception},  # 404, 405 as JSON too
@@ -112,10 +117,10 @@ def create_app(config: ServerConfig, backend: Backend, ready: SchedulerReady, to
     if config.api_key_file is not None:
         tenants = load_api_key_file(config.api_key_file)
         state.metrics.add_tenants(tenants.names)
-        app.add_middleware(APIKeyMiddleware, keys=tenants, per_tenant=True)
+        app.add_middleware(APIKeyMiddleware, keys=tenants, per_tenant=True, public=public)
         state.tenants_on = True
     elif config.api_key is not None:
-        app.add_middleware(APIKeyMiddleware, keys=Tenants.single(config.api_key), per_tenant=False)
+        app.add_middleware(APIKeyMiddleware, keys=Tenants.single(config.api_key), per_tenant=False, public=public)
     app.add_middleware(DrainMiddleware, state=state)  # outermost: counts and refuses before anything
     return app
 
@@ -149,21 +154,22 @@ def _state(request: Request) -> ServerState:
 
 
 class APIKeyMiddleware:
-    """`Authorization: Bearer <key>` on every route except /health, compared in constant time
-    (digests of equal length, so not even the key's length leaks). /health_generate, which
-    may run a one-token request, needs the key.
+    """`Authorization: Bearer <key>` on every route except the `public` paths (/health, the chat
+    page's files), compared in constant time (digests of equal length, so not even the key's
+    length leaks). /health_generate, which may run a one-token request, needs the key.
 
     `keys` holds the single --api-key, or the keys of --api-key-file; with `per_tenant` (the
     file) the key's tenant is left in the scope (`tenants.SCOPE_KEY`) for the routes to derive
     the request's cache namespace."""
 
-    def __init__(self, app: ASGIApp, keys: Tenants, per_tenant: bool) -> None:
+    def __init__(self, app: ASGIApp, keys: Tenants, per_tenant: bool, public: frozenset[str]) -> None:
         self.app = app
         self._keys = keys
         self._per_tenant = per_tenant
+        self._public = public
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] == "/health":
+        if scope["type"] != "http" or scope["path"] in self._public:
             await self.app(scope, receive, send)
             return
         tenant = self._authorize(scope)
