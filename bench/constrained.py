@@ -45,7 +45,7 @@ METRICS = ("radixserve_grammar_compiles_total", "radixserve_grammar_cache_hits_t
 
 def _metrics(client: httpx.Client) -> dict[str, float]:
     text = client.get("/metrics").text
-    return {name: float(re.search(rf"^{name} (\S+)$", text, re.M).group(1)) for name in METRICS}
+    return {name: float(re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M).group(1)) for name in METRICS}
 
 
 def run(url: str, requests: int, concurrency: int, max_tokens: int, constrained_share: float) -> dict[str, float]:

@@ -172,7 +172,7 @@ async def soak(url: str, args: argparse.Namespace) -> dict[str, Any]:
     growth = memory_growth(memory)
 
     def metric(name: str) -> float:
-        return next(float(line.split()[1]) for line in metrics.splitlines() if line.startswith(name + " "))
+        return next(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith((name + " ", name + "{")))
 
     pages = info["pages"]
     return {

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 from runtime_helpers import pid_alive
 
 HOST = "127.0.0.1"
@@ -113,6 +114,24 @@ def sse_events(lines: list[str]) -> tuple[list[Any], bool]:
             assert not done, "an event after [DONE]"
             events.append(json.loads(data))
     return events, done
+
+
+def metric_samples(text: str, model_name: str | None = None) -> dict[str, float]:
+    """The radixserve_* samples of a /metrics text, keyed `name` or `name{label="value",...}`
+    (labels sorted, as the server prints them) without the `model_name` label, which every
+    sample must carry (equal to `model_name` when given)."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if not sample.name.startswith("radixserve_"):
+                continue
+            labels = dict(sample.labels)
+            got = labels.pop("model_name", None)
+            assert got is not None, f"{sample.name} has no model_name label"
+            assert model_name is None or got == model_name, (sample.name, got, model_name)
+            rest = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+            out[sample.name + (f"{{{rest}}}" if rest else "")] = sample.value
+    return out
 
 
 def wait_gone(pids: list[int], timeout: float = 15.0) -> list[int]:

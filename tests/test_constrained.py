@@ -12,7 +12,7 @@ import httpx
 import jsonschema
 import pytest
 import torch
-from http_helpers import TINY_OPTIONS, assert_pages_balanced, running_server
+from http_helpers import TINY_OPTIONS, assert_pages_balanced, metric_samples, running_server
 from runtime_helpers import make_tiny_chat_model
 
 from radixserve import Engine
@@ -60,8 +60,7 @@ def generate(client: httpx.Client, constraint: dict, **params) -> httpx.Response
 
 
 def _metric(client: httpx.Client, name: str) -> float:
-    match = re.search(rf"^{name} (\S+)$", client.get("/metrics").text, re.M)
-    return float(match.group(1)) if match else 0.0
+    return metric_samples(client.get("/metrics").text).get(name, 0.0)
 
 
 @pytest.mark.parametrize("index", range(len(SCHEMAS)))

@@ -5,11 +5,10 @@ still works afterwards."""
 from __future__ import annotations
 
 import json
-import re
 
 import httpx
 import pytest
-from http_helpers import TINY_OPTIONS, running_server
+from http_helpers import TINY_OPTIONS, metric_samples, running_server
 from runtime_helpers import make_tiny_chat_model
 
 BODY_LIMIT = 100_000
@@ -180,7 +179,7 @@ def _send(client: httpx.Client, method: str, path: str, body) -> httpx.Response:
 
 
 def _prompt_tokens_total(client: httpx.Client) -> float:
-    return float(re.search(r"^radixserve_prompt_tokens_total (\S+)$", client.get("/metrics").text, re.M).group(1))
+    return metric_samples(client.get("/metrics").text)["radixserve_prompt_tokens_total"]
 
 
 def test_every_kind_of_bad_input_gets_a_4xx_with_a_message(server):

@@ -6,11 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 
 import httpx
 import pytest
-from http_helpers import HOST, TINY_OPTIONS, Server, assert_pages_balanced, running_server
+from http_helpers import (
+    HOST,
+    TINY_OPTIONS,
+    Server,
+    assert_pages_balanced,
+    metric_samples,
+    running_server,
+)
 from runtime_helpers import make_tiny_chat_model
 
 STREAMS = 240
@@ -75,7 +81,7 @@ async def _load(server: Server) -> list[tuple[int, bool, tuple[int, dict | None]
 
 def _generated_tokens(server: Server) -> float:
     text = httpx.get(server.url + "/metrics", timeout=30).text
-    return float(re.search(r"^radixserve_generation_tokens_total (\S+)$", text, re.M).group(1))
+    return metric_samples(text)["radixserve_generation_tokens_total"]
 
 
 def test_many_streaming_clients_some_leaving(server):

@@ -4,7 +4,6 @@ and aborting on disconnect. Greedy outputs must equal the in-process Engine's.""
 from __future__ import annotations
 
 import json
-import re
 import time
 
 import httpx
@@ -12,6 +11,7 @@ import pytest
 from http_helpers import (
     TINY_OPTIONS,
     assert_pages_balanced,
+    metric_samples,
     raw_request,
     running_server,
     sse_events,
@@ -159,12 +159,7 @@ def test_stop_string_and_token_id(client, engine):
 def _metrics(client) -> dict[str, float]:
     r = client.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
-    out = {}
-    for line in r.text.splitlines():
-        m = re.match(r"^(radixserve_[a-z0-9_]+(?:\{[^}]*\})?) (\S+)$", line)
-        if m:
-            out[m.group(1)] = float(m.group(2))
-    return out
+    return metric_samples(r.text)
 
 
 def test_metrics_are_exposed_and_move_as_requests_complete(client):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import threading
 import time
@@ -18,7 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
-from http_helpers import TINY_OPTIONS, Server, assert_pages_balanced, sse_events
+from http_helpers import TINY_OPTIONS, Server, assert_pages_balanced, metric_samples, sse_events
 from runtime_helpers import make_tiny_chat_model
 
 from radixserve.front.tokenizer import load_tokenizer
@@ -105,9 +104,9 @@ class Stream:
 
 def _metric(server: Server, name: str) -> float:
     text = httpx.get(server.url + "/metrics", timeout=30).text
-    match = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
-    assert match, f"{name} not in /metrics"
-    return float(match.group(1))
+    samples = metric_samples(text)
+    assert name in samples, f"{name} not in /metrics"
+    return samples[name]
 
 
 def _wait_restarting(server: Server, timeout: float = 30.0) -> str:

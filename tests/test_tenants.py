@@ -13,7 +13,7 @@ import time
 
 import httpx
 import pytest
-from http_helpers import TINY_OPTIONS, running_server
+from http_helpers import TINY_OPTIONS, metric_samples, running_server
 from runtime_helpers import make_tiny_chat_model
 
 from radixserve.front.tenants import derived_name, load_api_key_file, namespace
@@ -130,12 +130,7 @@ def test_per_tenant_metrics_carry_only_the_files_names(server):
     def counters() -> dict[str, float]:
         text = httpx.get(server.url + "/metrics", headers=_auth(KEY_C)).text
         assert not any(k in text for k in ALL_KEYS)
-        out = {}
-        for line in text.splitlines():
-            if line.startswith("radixserve_tenant_") and "_total{" in line:
-                name, value = line.rsplit(" ", 1)
-                out[name] = float(value)
-        return out
+        return {k: v for k, v in metric_samples(text).items() if k.startswith("radixserve_tenant_") and "_total{" in k}
 
     before = counters()
     tenants = {"tenant-a", "tenant-b", derived_name(KEY_C)}

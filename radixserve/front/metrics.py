@@ -6,6 +6,10 @@ Two sources:
   ratios (``rate(cached_prompt_tokens_total) / rate(prompt_tokens_total)``).
 - latency histograms observed in the front as requests finish: time to first token, time per
   output token after the first, end-to-end latency.
+
+Every sample carries a `model_name` label (the served model's name, as the OpenAI API reports
+it), so one Prometheus can scrape several servers and a dashboard can pick a model
+(deploy/grafana/radixserve.json).
 """
 
 from __future__ import annotations
@@ -97,9 +101,25 @@ class _RecoveryCollector(Collector):
                                   value=self.recovered)
 
 
+class _ModelNameLabel(Collector):
+    """Every sample of `inner` with a `model_name` label added: added here, in one place, a
+    metric registered in `inner` cannot be left without it."""
+
+    def __init__(self, inner: CollectorRegistry, model_name: str) -> None:
+        self._inner = inner
+        self._label = {"model_name": model_name}
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self._inner.collect():  # fresh objects at every collect: ours to change
+            metric.samples = [s._replace(labels={**self._label, **s.labels}) for s in metric.samples]
+            yield metric
+
+
 class ServerMetrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)  # every metric, without model_name
+        self._exposed = CollectorRegistry()
+        self._exposed.register(_ModelNameLabel(self.registry, model_name))
         self._scheduler = _SchedulerCollector()
         self.registry.register(self._scheduler)
         self._recovery = _RecoveryCollector()
@@ -163,4 +183,4 @@ class ServerMetrics:
         while it cannot answer) and the front's counts of engine restarts and resumed requests."""
         self._scheduler.stats = stats
         self._recovery.restarts, self._recovery.recovered = restarts, recovered
-        return generate_latest(self.registry)
+        return generate_latest(self._exposed)

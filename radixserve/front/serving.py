@@ -49,7 +49,7 @@ class ServerState:
     tokenizer: Any
     limits: Limits = field(init=False)  # per-request caps; prompts x n capped at the queue's size
     prepare_pool: ThreadPoolExecutor = field(init=False, repr=False)
-    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    metrics: ServerMetrics = field(init=False)  # labelled with the served model's name
     created: int = field(default_factory=lambda: int(time.time()))
     manager: TokenizerManager | None = None
     health_probe: asyncio.Future[str | None] | None = None  # the one-token probe /health runs when idle
@@ -60,6 +60,7 @@ class ServerState:
 
     def __post_init__(self) -> None:
         self.limits = request_limits(self.config, self.ready, self.tokenizer)
+        self.metrics = ServerMetrics(self.config.model_name)
         self.prepare_pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="radixserve-prepare")
 
     async def prepare(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
