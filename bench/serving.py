@@ -334,9 +334,11 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def launch_server(model: str, *options: str, log_path: Path | None = None, timeout: float = 300.0) -> Iterator[str]:
+def launch_server(model: str, *options: str, log_path: Path | None = None, timeout: float = 300.0,
+                  flush: bool = True) -> Iterator[str]:
     """`python -m radixserve serve` on a free loopback port; yields its URL once healthy and
-    warmed up, stops it (SIGTERM) on exit."""
+    warmed up, stops it (SIGTERM) on exit. `flush` False keeps what the server found cached at
+    start (a disk tier after a restart): the warm-up's own prefix stays too."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "radixserve", "serve", "--model", model, "--port", str(port), *options]
@@ -356,7 +358,7 @@ def launch_server(model: str, *options: str, log_path: Path | None = None, timeo
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the server did not become healthy in {timeout} s")
             time.sleep(0.3)
-        warm_up(url)
+        warm_up(url, flush)
         yield url
     finally:
         proc.terminate()
@@ -368,12 +370,13 @@ def launch_server(model: str, *options: str, log_path: Path | None = None, timeo
         log.close()
 
 
-def warm_up(url: str) -> None:
+def warm_up(url: str, flush: bool = True) -> None:
     """A few short requests (first-call costs: allocator, kernels), then an empty cache."""
     body = {"text": "Warm-up: count from one to ten.", "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
     for _ in range(2):
         httpx.post(url + "/generate", json=body, timeout=120).raise_for_status()
-    flush_cache(url)
+    if flush:
+        flush_cache(url)
 
 
 def flush_cache(url: str) -> None:

@@ -17,6 +17,7 @@ See docs/frontend_lang.md.
 """
 
 from frontend_lang.backends import Backend, BackendError, EngineBackend, RuntimeEndpoint
+from frontend_lang.cache import pin, unpin
 from frontend_lang.chat_template import ChatTemplate
 from frontend_lang.primitives import (
     assistant,
@@ -54,11 +55,13 @@ __all__ = [
     "function",
     "gen",
     "get_default_backend",
+    "pin",
     "select",
     "set_default_backend",
     "system",
     "system_begin",
     "system_end",
+    "unpin",
     "user",
     "user_begin",
     "user_end",

@@ -55,6 +55,12 @@ HELP = {
     "context_len": "cap on prompt + output tokens of one request (default: the model's limit)",
     "schedule_policy": "waiting-queue order: lpm (longest cached prefix first) or fcfs",
     "disable_radix_cache": "keep the paging but cache no prefixes (the benchmark baseline)",
+    "kv_disk_dir": "a disk tier under the prefix cache: pages evicted from the KV pool are written "
+    "here and read back for a later request with the same prefix, also after a restart "
+    "(off by default; the directory is made private, 0700)",
+    "kv_disk_gb": "the disk tier's budget in GiB; least recently used pages are deleted beyond it",
+    "max_pinned_fraction": "the share of the KV pool (and of the disk budget) that /cache/pin may "
+    "hold, so pins never starve running requests",
     "seed": "sampling seed for requests that bring none",
     "debug_checks": "cross-check KV page accounting after every step (slow; for debugging)",
     "grammar_compile_timeout": "seconds a constrained request (json_schema, regex, ebnf, structural_tag, "

@@ -37,6 +37,10 @@ class ServerConfig:
     context_len: int | None = None  # cap on prompt + output tokens; None: the model's limit
     schedule_policy: str = "lpm"
     disable_radix_cache: bool = False
+    # the disk tier under the radix tree (cache/disk_index.py, worker/kv_disk.py): None = off
+    kv_disk_dir: str | None = None
+    kv_disk_gb: float = 16.0  # disk budget; least recently used pages go first
+    max_pinned_fraction: float = 0.5  # of the KV pool (and of the disk budget) pins may hold
     seed: int = 0  # for requests that bring no seed of their own
     debug_checks: bool = False  # cross-check page accounting after every step
     grammar_compile_timeout: float = 5.0  # seconds a request waits for its grammar, then 400
@@ -85,6 +89,12 @@ class ServerConfig:
             _at_least("kv_pages", self.kv_pages, 2)
         if self.kv_memory_gb <= 0:
             raise ValueError(f"kv_memory_gb must be > 0, got {self.kv_memory_gb}")
+        if self.kv_disk_gb <= 0:
+            raise ValueError(f"kv_disk_gb must be > 0, got {self.kv_disk_gb}")
+        if not 0 <= self.max_pinned_fraction <= 1:
+            raise ValueError(f"max_pinned_fraction must be in [0, 1], got {self.max_pinned_fraction}")
+        if self.kv_disk_dir is not None and self.disable_radix_cache:
+            raise ValueError("kv_disk_dir needs the prefix cache: it cannot go with disable_radix_cache")
         if self.context_len is not None:
             _at_least("context_len", self.context_len, 2)
         if not 0 < self.port < 65536:

@@ -16,8 +16,10 @@ import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import msgspec
+
 from radixserve.config import ServerConfig
-from radixserve.front.inputs import build_requests
+from radixserve.front.inputs import build_prefix, build_requests, check_pin_options
 from radixserve.front.manager import GenerateRequest, RequestFailed, TokenizerManager
 from radixserve.front.recovery import BackendEvents
 from radixserve.front.serving import request_limits
@@ -138,6 +140,36 @@ class Engine:
                 yield item
         finally:
             await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(agen.aclose(), self._loop))
+
+    # ------------------------------------------------------------------ pins
+
+    def pin(self, prompt: str | None = None, input_ids: list[int] | None = None, *, tier: str = "memory",
+            ttl: float | None = None, cache_salt: str | None = None) -> dict[str, Any]:
+        """Keep a prefix cached on purpose (computed first if need be), as ``POST /cache/pin``:
+        in the KV pool (tier "memory") or the disk tier ("disk"), until `unpin` or `ttl` seconds.
+        Returns the pin (``pin_id``, ``tokens``, ``cached_tokens``, ...); raises `InvalidRequest`
+        for bad input and `RequestFailed` when its budget (--max-pinned-fraction) is full."""
+        tier, ttl = check_pin_options(tier, ttl, bool(self.config.kv_disk_dir))
+        ids, salt = build_prefix(self.tokenizer, self.ready, self.limits, text=prompt, input_ids=input_ids,
+                                 cache_salt=cache_salt)
+        done = self._call(self.manager.pin(ids, salt, tier, ttl))
+        if done.pin is None:
+            raise RequestFailed(done.error or "the prefix could not be pinned")
+        return {**msgspec.structs.asdict(done.pin), "cached_tokens": done.cached_tokens}
+
+    def unpin(self, pin_id: int | None = None, prompt: str | None = None, input_ids: list[int] | None = None,
+              cache_salt: str | None = None) -> list[dict[str, Any]]:
+        """End the pin `pin_id`, or the pins of exactly this prefix; returns those ended."""
+        if pin_id is not None:
+            released = self._call(self.manager.unpin([pin_id], [], None)).pins
+        else:
+            ids, salt = build_prefix(self.tokenizer, self.ready, self.limits, text=prompt, input_ids=input_ids,
+                                     cache_salt=cache_salt)
+            released = self._call(self.manager.unpin([], ids, salt)).pins
+        return [msgspec.structs.asdict(p) for p in released]
+
+    def pins(self) -> list[dict[str, Any]]:
+        return [msgspec.structs.asdict(p) for p in self._call(self.manager.pins()).pins]
 
     # ------------------------------------------------------------------ admin
 

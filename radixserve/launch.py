@@ -30,6 +30,8 @@ log = logging.getLogger("radixserve")
 REPORT_GRACE_S = 2.0
 
 
+DISK_WRITE_BACK_S = 30.0  # at a stop, the most time added for writing the pool back to the disk tier
+
 class StartupError(RuntimeError):
     pass
 
@@ -198,15 +200,17 @@ class Backend:
         if self._stopping:
             return
         self._stopping = True
+        # the scheduler first: with a disk tier it has the worker write the pool's cached pages
+        # back before it exits, and the worker writes what is queued before it does
+        deadline = time.monotonic() + timeout
         for proc, addr in ((self.scheduler, self.endpoints.front_to_scheduler), (self.worker, self.endpoints.scheduler_to_worker)):
             if proc.is_alive():
                 sender = Sender(zmq.Context.instance(), addr, bind=False)
                 sender.send(Shutdown())
                 sender.socket.close(linger=1000)  # LINGER 0 would drop the message unsent
-        deadline = time.monotonic() + timeout
-        for p in self.processes:
-            if p.pid is not None:
-                p.join(max(0.0, deadline - time.monotonic()))
+            if proc.pid is not None:
+                grace = DISK_WRITE_BACK_S if self.config.kv_disk_dir else 0.0
+                proc.join(max(0.0, deadline + grace - time.monotonic()))
         self._kill_all()
         if self._watch_thread is not None and self._watch_thread is not threading.current_thread():
             self._watch_thread.join(timeout)  # a restart in progress sees _stopping and ends

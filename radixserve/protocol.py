@@ -127,7 +127,40 @@ class GetStats(msgspec.Struct, tag=True):
     req_id: int
 
 
-FrontToScheduler = TokenizedRequest | AbortRequest | FlushCache | GetStats | Shutdown
+PIN_TIERS = ("memory", "disk")
+
+
+class PinPrefix(msgspec.Struct, tag=True, omit_defaults=True):
+    """Compute a prefix if it is not cached, and keep its pages from eviction (``POST
+    /cache/pin``): in the KV pool ("memory"), or in the disk tier ("disk": it is loaded back
+    when used, like any page on disk). Answered with `PinDone`."""
+
+    req_id: int
+    input_ids: list[int]
+    cache_salt: str | None = None  # the cache namespace, as for a request
+    tier: str = "memory"  # one of PIN_TIERS
+    ttl: float | None = None  # seconds; None: until unpinned
+
+
+class UnpinPrefix(msgspec.Struct, tag=True, omit_defaults=True):
+    """Release pins: those of `pin_ids`, and those of exactly this prefix in this namespace
+    (when `input_ids` is given). Answered with `PinList` (the pins released)."""
+
+    req_id: int
+    pin_ids: list[int] = []
+    input_ids: list[int] = []
+    cache_salt: str | None = None
+
+
+class ListPins(msgspec.Struct, tag=True):
+    """Ask for every pin (the front shows a tenant only its own). Answered with `PinList`."""
+
+    req_id: int
+
+
+FrontToScheduler = (
+    TokenizedRequest | AbortRequest | FlushCache | GetStats | PinPrefix | UnpinPrefix | ListPins | Shutdown
+)
 
 
 # --------------------------------------------------------------------------- scheduler -> front
@@ -220,6 +253,42 @@ class SchedulerStats(msgspec.Struct, tag=True):
     grammar_compile_seconds_sum: float = 0.0
     spec_draft_tokens_total: int = 0  # draft tokens proposed for verification
     spec_accepted_tokens_total: int = 0  # of those, accepted
+    # the disk tier (--kv-disk-dir), all 0 without it
+    cached_prompt_tokens_disk_total: int = 0  # of cached_prompt_tokens_total, loaded from disk
+    kv_disk_pages: int = 0
+    kv_disk_bytes: int = 0
+    kv_disk_capacity_bytes: int = 0
+    kv_disk_stored_bytes_total: int = 0  # written back (KV payload bytes)
+    kv_disk_loaded_bytes_total: int = 0  # loaded into the pool
+    kv_disk_store_seconds_total: float = 0.0  # the writer thread's time in writes
+    kv_disk_load_seconds_total: float = 0.0  # the worker's time copying loads into the pool
+    kv_disk_corrupt_pages_total: int = 0  # files dropped for a bad size, header or checksum
+    pinned_tokens_memory: int = 0  # tokens of the pages pins hold in the KV pool
+    pinned_tokens_disk: int = 0  # tokens of the pages pins hold in the disk tier
+
+
+class PinInfo(msgspec.Struct, omit_defaults=True):
+    pin_id: int
+    cache_salt: str | None  # the namespace it was pinned in
+    tokens: int  # tokens pinned: the prefix's whole pages
+    tier: str
+    created: float  # time.time()
+    expires_at: float | None = None  # time.time() when its ttl ends; None: never
+
+
+class PinDone(msgspec.Struct, tag=True, omit_defaults=True):
+    """A `PinPrefix` answered: the pin, or why there is none (`error`, the client's mistake or
+    a full pin budget)."""
+
+    req_id: int
+    pin: PinInfo | None = None
+    cached_tokens: int = 0  # of the prefix, found cached (memory or disk) before computing
+    error: str | None = None
+
+
+class PinList(msgspec.Struct, tag=True):
+    req_id: int
+    pins: list[PinInfo]
 
 
 class SchedulerReady(msgspec.Struct, tag=True):
@@ -238,6 +307,7 @@ class SchedulerReady(msgspec.Struct, tag=True):
 
 SchedulerToFront = (
     TokenBatchOut | RequestRejected | FlushCacheDone | SchedulerStats | SchedulerReady | EngineFailed
+    | PinDone | PinList
 )
 
 
@@ -273,6 +343,32 @@ class Chunk(msgspec.Struct, array_like=True, omit_defaults=True):
     token_bitmask: bytes = b""
 
 
+class DiskOps(msgspec.Struct, array_like=True, omit_defaults=True):
+    """The disk tier's work in one step (worker/kv_disk.py), done before the forward in this
+    order: `store` copies pages out of the pool (their ids may be reused by this step) to be
+    written, `load` copies pages read ahead into pool pages, then the reads, drops and deletes
+    are queued. Keys are page keys (cache/disk_index.py)."""
+
+    store: list[tuple[int, bytes]] = []  # (pool page, key): evicted from memory, write it back
+    load: list[tuple[int, bytes]] = []  # (pool page, key): a page reported ready, into the pool
+    prefetch: list[bytes] = []  # read these ahead for waiting requests
+    unstage: list[bytes] = []  # read ahead but no longer wanted: free the host copy
+    delete: list[bytes] = []  # evicted from the disk tier
+
+
+class DiskReport(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What the worker's disk threads finished since the last step, and their counters."""
+
+    ready: list[bytes] = []  # read ahead and checked: may be loaded
+    failed: list[bytes] = []  # missing or corrupt (deleted): compute them instead
+    lost: list[bytes] = []  # a write failed: not on disk
+    stored_bytes: int = 0  # lifetime totals from here on
+    loaded_bytes: int = 0
+    store_seconds: float = 0.0
+    load_seconds: float = 0.0
+    corrupt_pages: int = 0  # files dropped for a bad size, header or checksum
+
+
 class ForwardBatch(msgspec.Struct, tag=True, omit_defaults=True):
     """One step's work, as diffs against what the worker already knows. O(batch), not O(context).
 
@@ -286,6 +382,7 @@ class ForwardBatch(msgspec.Struct, tag=True, omit_defaults=True):
     appended: list[tuple[int, list[int]]] = []  # (row, pages added at the end)
     released: list[int] = []  # rows whose requests left; their worker state is dropped
     finished: list[str] = []  # sample keys whose sampling state can be dropped
+    disk: DiskOps | None = None  # the disk tier's work, done before the forward
 
 
 class ChunkResult(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -304,6 +401,7 @@ class ChunkResult(msgspec.Struct, array_like=True, omit_defaults=True):
 class ForwardResult(msgspec.Struct, tag=True):
     results: list[ChunkResult]  # one per chunk, in order
     forward_time: float
+    disk: DiskReport | None = None  # with --kv-disk-dir
 
 
 class WorkerReady(msgspec.Struct, tag=True):
@@ -316,6 +414,11 @@ class WorkerReady(msgspec.Struct, tag=True):
     dtype: str
     device: str
     cpu_isa: str  # the CPU ISA tier the worker's kernels use (kernels/isa.py)
+    # with --kv-disk-dir: the start of every page-key chain (cache/disk_index.py), the pages
+    # its directory holds (least recently used first) and what one costs on disk
+    kv_model_key: bytes = b""
+    disk_pages: list[bytes] = []
+    disk_page_bytes: int = 0
 
 
 class WorkerFailed(msgspec.Struct, tag=True):

@@ -166,7 +166,8 @@ def test_metrics_are_exposed_and_move_as_requests_complete(client):
     before = _metrics(client)
     for name in (
         "radixserve_num_running_requests", "radixserve_num_waiting_requests", "radixserve_kv_cache_usage_ratio",
-        "radixserve_prompt_tokens_total", "radixserve_cached_prompt_tokens_total", "radixserve_generation_tokens_total",
+        "radixserve_prompt_tokens_total", 'radixserve_cached_prompt_tokens_total{tier="memory"}',
+        'radixserve_cached_prompt_tokens_total{tier="disk"}', "radixserve_generation_tokens_total",
         "radixserve_time_to_first_token_seconds_count", "radixserve_time_per_output_token_seconds_count",
         "radixserve_e2e_request_latency_seconds_count",
     ):
@@ -178,7 +179,8 @@ def test_metrics_are_exposed_and_move_as_requests_complete(client):
     prompt_len = client.post("/generate", json={**body, "sampling_params": {"max_new_tokens": 0}}).json()["meta_info"]["prompt_tokens"]
     assert after["radixserve_prompt_tokens_total"] - before["radixserve_prompt_tokens_total"] >= 2 * prompt_len
     assert after["radixserve_generation_tokens_total"] - before["radixserve_generation_tokens_total"] >= 10
-    assert after["radixserve_cached_prompt_tokens_total"] > before["radixserve_cached_prompt_tokens_total"]
+    memory_hits = 'radixserve_cached_prompt_tokens_total{tier="memory"}'
+    assert after[memory_hits] > before[memory_hits]
     for hist in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds"):
         key = f"radixserve_{hist}_count"
         assert after[key] - before[key] == 2, hist
@@ -320,7 +322,8 @@ def test_prompt_logprobs_with_n_are_computed_once_and_shared(client, server):
     shared = (prompt_len - 1) // 4 * 4
     assert [m["cached_tokens"] for m in metas] == [0, shared, shared]
     computed = after["radixserve_prompt_tokens_total"] - before["radixserve_prompt_tokens_total"]
-    computed -= after["radixserve_cached_prompt_tokens_total"] - before["radixserve_cached_prompt_tokens_total"]
+    hits = 'radixserve_cached_prompt_tokens_total{tier="memory"}'
+    computed -= after[hits] - before[hits]
     assert computed == 3 * prompt_len - 2 * shared
     assert len(metas[0]["input_token_logprobs"]) == len(metas[0]["input_top_logprobs"]) == prompt_len
     for m in metas[1:]:  # every sample shows the one computation

@@ -43,6 +43,15 @@ class Backend(ABC):
         """Log probability of each choice's tokens after `prompt` (see scoring.py)."""
         return score_choices(self.generate, prompt, choices)
 
+    def pin(self, text: str, *, tier: str = "memory", ttl: float | None = None,
+            cache_salt: str | None = None) -> dict[str, Any]:
+        """Keep `text`'s prefix cached on the server (``POST /cache/pin``); the pin back."""
+        raise BackendError(f"{type(self).__name__} cannot pin prefixes")
+
+    def unpin(self, pin_id: int) -> list[dict[str, Any]]:
+        """End a pin (``POST /cache/unpin``); the pins ended."""
+        raise BackendError(f"{type(self).__name__} cannot pin prefixes")
+
     def close(self) -> None:  # noqa: B027 - an optional hook, not abstract
         """Release connections; the backend is not used afterwards."""
 

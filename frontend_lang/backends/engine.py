@@ -40,6 +40,19 @@ class EngineBackend(Backend):
                 raise
             raise error from exc
 
+    def pin(self, text: str, *, tier: str = "memory", ttl: float | None = None,
+            cache_salt: str | None = None) -> dict[str, Any]:
+        try:
+            return self.engine.pin(text, tier=tier, ttl=ttl, cache_salt=cache_salt)
+        except Exception as exc:
+            error = _backend_error(exc)
+            if error is None:
+                raise
+            raise error from exc
+
+    def unpin(self, pin_id: int) -> list[dict[str, Any]]:
+        return self.engine.unpin(pin_id)
+
     @property
     def chat_template(self) -> ChatTemplate:
         with self._lock:

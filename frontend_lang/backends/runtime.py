@@ -78,6 +78,18 @@ class RuntimeEndpoint(Backend):
         response = self._client.post("/flush_cache")
         return response.status_code == 200
 
+    def pin(self, text: str, *, tier: str = "memory", ttl: float | None = None,
+            cache_salt: str | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {"text": text, "tier": tier}
+        if ttl is not None:
+            body["ttl"] = ttl
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
+        return self._request("POST", "/cache/pin", json=body).json()
+
+    def unpin(self, pin_id: int) -> list[dict[str, Any]]:
+        return self._request("POST", "/cache/unpin", json={"pin_id": pin_id}).json()["unpinned"]
+
     def close(self) -> None:
         self._client.close()
 

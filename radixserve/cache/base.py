@@ -41,6 +41,7 @@ class TreeNode:
         "last_access",
         "evicted",
         "namespace",
+        "page_keys",
     )
 
     def __init__(
@@ -59,6 +60,8 @@ class TreeNode:
         self.last_access = last_access  # logical clock of the last match/insert through here
         self.evicted = False
         self.namespace = namespace
+        # the disk tier's key of each page (cache/disk_index.py), computed when first needed
+        self.page_keys: list[bytes] | None = None
 
     @property
     def is_root(self) -> bool:

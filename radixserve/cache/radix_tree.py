@@ -30,7 +30,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from radixserve.cache.allocator import PageAllocator
@@ -43,6 +43,7 @@ from radixserve.cache.base import (
     normalize_namespace,
     validate_page_size,
 )
+from radixserve.cache.disk_index import chain_keys
 
 _TOKEN_BYTES = 4
 _TYPECODE = next(code for code in "IL" if array(code).itemsize == _TOKEN_BYTES)
@@ -93,6 +94,10 @@ class RadixTree(PrefixCache):
         self._owned: set[int] = set()  # every page the tree holds, for validation and check()
         self._hit_tokens = 0
         self._miss_tokens = 0
+        # the disk tier (scheduler/kv.py): the start of a namespace's page-key chain, and what
+        # to do with a leaf's pages before `evict` frees them (write them back); None: no tier
+        self.namespace_key: Callable[[str | None], bytes] | None = None
+        self.spill: Callable[[TreeNode], None] | None = None
 
     # ---- lookups ---------------------------------------------------------------------------
 
@@ -307,6 +312,8 @@ class RadixTree(PrefixCache):
         upper = TreeNode(node.key[:cut], node.pages[:n_pages], parent, node.namespace)
         upper.last_access = node.last_access
         upper.lock_ref = node.lock_ref
+        if node.page_keys is not None:
+            upper.page_keys, node.page_keys = node.page_keys[:n_pages], node.page_keys[n_pages:]
         parent.children[node.key[: self._page_bytes]] = upper
         node.key = node.key[cut:]
         node.pages = node.pages[n_pages:]
@@ -352,6 +359,9 @@ class RadixTree(PrefixCache):
     # ---- eviction --------------------------------------------------------------------------
 
     def evict(self, n_pages: int) -> int:
+        return self._evict(n_pages, self.spill)
+
+    def _evict(self, n_pages: int, spill: Callable[[TreeNode], None] | None) -> int:
         if not isinstance(n_pages, int) or n_pages < 0:
             raise ValueError(f"evict: n_pages must be an int >= 0, got {n_pages!r}")
         heap = self._heap
@@ -363,6 +373,8 @@ class RadixTree(PrefixCache):
                 continue  # stale entry
             if len(node.pages) > need:
                 self._split(node, len(node.pages) - need)  # evict only the deepest pages
+            if spill is not None:
+                spill(node)
             freed += node.pages
             need -= len(node.pages)
             self._remove_leaf(node)
@@ -372,7 +384,24 @@ class RadixTree(PrefixCache):
         return len(freed)
 
     def flush(self) -> int:
-        return self.evict(self.evictable_pages)
+        """Drops, never writes back: a flush empties the cache, it does not move it to disk."""
+        return self._evict(self.evictable_pages, None)
+
+    def page_keys(self, node: TreeNode) -> list[bytes]:
+        """The disk tier's keys of ``node``'s pages (cache/disk_index.py), computed once per
+        node from its parent's last key: a chain over every token from the namespace root."""
+        if self.namespace_key is None:
+            raise RuntimeError("page_keys: this tree has no disk tier")
+        pending: list[TreeNode] = []
+        x = node
+        while x.parent is not None and x.page_keys is None:
+            pending.append(x)
+            x = x.parent
+        previous = self.namespace_key(x.namespace) if x.parent is None else x.page_keys[-1]
+        for x in reversed(pending):
+            x.page_keys = chain_keys(previous, x.key, self._page_bytes)
+            previous = x.page_keys[-1]
+        return node.page_keys
 
     def _remove_leaf(self, node: TreeNode) -> None:
         parent = node.parent

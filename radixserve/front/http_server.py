@@ -15,6 +15,7 @@ parse, call the front library, shape the answer.
     POST /flush_cache      drop every unlocked cached prefix (GET too, as SGLang allows;
                            /reset_prefix_cache is vLLM's name for it)
     POST /abort_request    abort a request by its caller's `rid` (or every one with `abort_all`)
+    POST /cache/pin, /cache/unpin, GET /cache/pins   keep prefixes cached on purpose (cache_api.py)
     POST /generate         SGLang's native API (text or input_ids, one or a batch; SSE streaming)
     GET  /v1/models        the one served model
     POST /v1/completions, /v1/chat/completions   see openai_api.py
@@ -40,7 +41,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from radixserve import __version__
 from radixserve.config import ServerConfig
-from radixserve.front import openai_api, web_ui
+from radixserve.front import cache_api, openai_api, web_ui
 from radixserve.front.http_common import (
     SSE_DONE,
     HTTPError,
@@ -103,6 +104,7 @@ def create_app(config: ServerConfig, backend: Backend, ready: SchedulerReady, to
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),
         Route("/v1/completions", openai_api.completions, methods=["POST"]),
         Route("/v1/chat/completions", openai_api.chat_completions, methods=["POST"]),
+        *cache_api.routes(),
     ]
     public = frozenset({"/health"})
     if not config.disable_web_ui:

@@ -6,6 +6,7 @@ bad ones with the same messages.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from radixserve.front.manager import GenerateRequest
@@ -18,7 +19,7 @@ from radixserve.front.validation import (
     parse_sampling_params,
     validate_input_ids,
 )
-from radixserve.protocol import SchedulerReady
+from radixserve.protocol import PIN_TIERS, SchedulerReady
 
 
 def build_requests(
@@ -68,6 +69,36 @@ def build_requests(
         requests.append(req)
     _check_sequences(sum(r.sampling.n for r in requests), limits)
     return requests, is_batch
+
+
+def build_prefix(
+    tokenizer: Any, ready: SchedulerReady, limits: Limits, *, text: Any = None, input_ids: Any = None,
+    cache_salt: Any = None,
+) -> tuple[list[int], str | None]:
+    """One prefix to pin (``/cache/pin``, ``/cache/unpin``): its token ids, checked as a
+    prompt's are, and its cache salt. `text` is tokenized as a prompt of /generate is."""
+    prompts, is_batch = _prompts(tokenizer, text, input_ids, limits, ready.context_len)
+    if is_batch or len(prompts) != 1:
+        raise InvalidRequest("give one prefix, not a list", param="input_ids" if text is None else "text")
+    ids = validate_input_ids(prompts[0], ready.vocab_size)
+    check_lengths(len(ids), 0, ready.context_len)
+    if len(ids) < ready.page_size:
+        raise InvalidRequest(
+            f"the prefix has {len(ids)} tokens, less than one KV page ({ready.page_size}): nothing to pin",
+            param="text" if input_ids is None else "input_ids",
+        )
+    return ids, _salt(cache_salt, limits)
+
+
+def check_pin_options(tier: Any, ttl: Any, disk_tier: bool) -> tuple[str, float | None]:
+    """A pin's tier and ttl (seconds, None: until unpinned), checked."""
+    if tier not in PIN_TIERS:
+        raise InvalidRequest(f"`tier` must be one of {', '.join(PIN_TIERS)}", param="tier")
+    if tier == "disk" and not disk_tier:
+        raise InvalidRequest("`tier` \"disk\" needs the disk tier: start the server with --kv-disk-dir", param="tier")
+    if ttl is not None and (type(ttl) not in (int, float) or not math.isfinite(ttl) or ttl <= 0):
+        raise InvalidRequest("`ttl` must be a number of seconds > 0 (omit it to pin until unpinned)", param="ttl")
+    return tier, None if ttl is None else float(ttl)
 
 
 def _prompts(tokenizer: Any, text: Any, input_ids: Any, limits: Limits, context_len: int) -> tuple[list[Any], bool]:

@@ -13,7 +13,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,15 +30,22 @@ from radixserve.protocol import (
     FlushCache,
     FlushCacheDone,
     GetStats,
+    ListPins,
+    PinDone,
+    PinList,
+    PinPrefix,
     RequestRejected,
     SamplingParams,
     SchedulerReady,
     SchedulerStats,
     SchedulerToFront,
     TokenBatchOut,
+    UnpinPrefix,
 )
 
 log = logging.getLogger("radixserve.front")
+
+PIN_TIMEOUT_S = 600.0  # a pin may have a long document to prefill first
 
 
 class RequestFailed(RuntimeError):
@@ -170,7 +177,7 @@ class TokenizerManager:
             live = self._requests.get(msg.rid)
             if live is not None:
                 live.queue.put_nowait(RequestFailed(msg.message, msg.retryable))
-        elif isinstance(msg, (FlushCacheDone, SchedulerStats)):
+        elif isinstance(msg, (FlushCacheDone, SchedulerStats, PinDone, PinList)):
             fut = self._replies.pop(msg.req_id, None)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
@@ -247,7 +254,8 @@ class TokenizerManager:
                 fut.set_exception(EngineDead(reason))
         self._replies.clear()
 
-    async def _ask(self, msg_type: type, timeout: float) -> Any:
+    async def _ask(self, make: Callable[[int], msgspec.Struct], timeout: float) -> Any:
+        """Send `make(req_id)` to the scheduler and wait for the reply that names `req_id`."""
         if self._dead:
             raise EngineDead(self._dead)
         if self._restarting:
@@ -255,7 +263,7 @@ class TokenizerManager:
         req_id = next(self._req_ids)
         fut = asyncio.get_running_loop().create_future()
         self._replies[req_id] = fut
-        self._send(msg_type(req_id))
+        self._send(make(req_id))
         try:
             return await asyncio.wait_for(fut, timeout)
         finally:
@@ -266,6 +274,18 @@ class TokenizerManager:
 
     async def flush_cache(self, timeout: float = 30.0) -> FlushCacheDone:
         return await self._ask(FlushCache, timeout)
+
+    async def pin(self, input_ids: list[int], cache_salt: str | None, tier: str, ttl: float | None,
+                  timeout: float = PIN_TIMEOUT_S) -> PinDone:
+        """Pin a prefix (computed first if need be: the wait is a prefill's)."""
+        return await self._ask(lambda req_id: PinPrefix(req_id, input_ids, cache_salt, tier, ttl), timeout)
+
+    async def unpin(self, pin_ids: list[int], input_ids: list[int], cache_salt: str | None,
+                    timeout: float = 30.0) -> PinList:
+        return await self._ask(lambda req_id: UnpinPrefix(req_id, pin_ids, input_ids, cache_salt), timeout)
+
+    async def pins(self, timeout: float = 30.0) -> PinList:
+        return await self._ask(ListPins, timeout)
 
     def check_rids_free(self, rids: list[str], tenant: str | None = None) -> None:
         """Raise `RidInUse` before anything is sent, so a batch is refused whole; `generate`

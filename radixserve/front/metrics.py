@@ -43,16 +43,23 @@ _GAUGES = (
     ("kv_pages_cached", "KV pages held by the prefix cache (radix tree), evictable or locked.", "cached_pages"),
     ("kv_pages_evictable", "KV pages held by the prefix cache and by no running request.", "evictable_pages"),
     ("kv_pages_running", "KV pages held by running requests, theirs and the cached ones they lock.", "running_pages"),
+    ("kv_disk_pages", "KV pages in the disk tier (--kv-disk-dir).", "kv_disk_pages"),
+    ("kv_disk_bytes", "Bytes the disk tier's page files take.", "kv_disk_bytes"),
+    ("kv_disk_capacity_bytes", "The disk tier's budget in bytes (--kv-disk-gb).", "kv_disk_capacity_bytes"),
 )
 _COUNTERS = (
     ("prompt_tokens", "Prompt tokens of admitted requests.", "prompt_tokens_total"),
-    ("cached_prompt_tokens", "Prompt tokens found in the prefix cache at admission.", "cached_prompt_tokens_total"),
     ("generation_tokens", "Tokens generated.", "generation_tokens_total"),
     ("num_retractions", "Requests retracted (pages freed, resumed later) when the pool ran out.", "num_retractions_total"),
     ("grammar_compiles", "Grammars compiled (constrained decoding; cache misses).", "grammar_compiles_total"),
     ("grammar_cache_hits", "Constrained requests whose grammar came from the compiled-grammar cache.", "grammar_cache_hits_total"),
     ("spec_draft_tokens", "Draft tokens proposed for verification (speculative decoding).", "spec_draft_tokens_total"),
     ("spec_accepted_tokens", "Draft tokens accepted (speculative decoding).", "spec_accepted_tokens_total"),
+    ("kv_disk_stored_bytes", "KV bytes written to the disk tier (pages evicted from memory, pins).", "kv_disk_stored_bytes_total"),
+    ("kv_disk_loaded_bytes", "KV bytes loaded from the disk tier into the pool.", "kv_disk_loaded_bytes_total"),
+    ("kv_disk_store_seconds", "Time the disk tier's writer spent writing (bytes / seconds: store throughput).", "kv_disk_store_seconds_total"),
+    ("kv_disk_load_seconds", "Time the worker spent copying pages loaded from disk into the pool.", "kv_disk_load_seconds_total"),
+    ("kv_disk_corrupt_pages", "Disk tier files dropped for a bad size, header or checksum (never served).", "kv_disk_corrupt_pages_total"),
 )
 
 
@@ -77,6 +84,18 @@ class _SchedulerCollector(Collector):
         )
         for name, doc, attr in _COUNTERS:
             yield CounterMetricFamily(PREFIX + name, doc, value=getattr(stats, attr))
+        cached = CounterMetricFamily(
+            PREFIX + "cached_prompt_tokens", "Prompt tokens found cached at admission, by the tier they came from "
+            "(memory: the KV pool; disk: loaded from --kv-disk-dir).", labels=["tier"],
+        )
+        cached.add_metric(["memory"], stats.cached_prompt_tokens_total - stats.cached_prompt_tokens_disk_total)
+        cached.add_metric(["disk"], stats.cached_prompt_tokens_disk_total)
+        yield cached
+        pinned = GaugeMetricFamily(PREFIX + "pinned_tokens", "Tokens of the pages pins hold (/cache/pin), by tier.",
+                                   labels=["tier"])
+        pinned.add_metric(["memory"], stats.pinned_tokens_memory)
+        pinned.add_metric(["disk"], stats.pinned_tokens_disk)
+        yield pinned
         counts = stats.grammar_compile_buckets or [0] * (len(GRAMMAR_COMPILE_BUCKETS) + 1)
         bounds = [str(b) for b in GRAMMAR_COMPILE_BUCKETS] + ["+Inf"]
         yield HistogramMetricFamily(

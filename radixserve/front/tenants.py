@@ -112,6 +112,18 @@ def namespace(tenant: str, salt: str | None) -> str:
     return tenant if salt is None else f"{tenant}\x00{salt}"
 
 
+def salt_in(tenant: str | None, namespace: str | None) -> tuple[bool, str | None]:
+    """Whether a cache namespace is the tenant's (always, without tenants), and the client's
+    salt in it: `namespace` undone."""
+    if tenant is None:
+        return True, namespace
+    if namespace == tenant:
+        return True, None
+    if namespace is not None and namespace.startswith(tenant + "\x00"):
+        return True, namespace[len(tenant) + 1 :]
+    return False, None
+
+
 def scope_requests(scope: dict[str, Any], requests: list[GenerateRequest]) -> None:
     """Put requests in the tenant of the key that authenticated them (if tenants are on): their
     cache namespace becomes the tenant's, narrowed by any salt the client gave."""

@@ -32,20 +32,27 @@ from radixserve.config import ServerConfig
 from radixserve.protocol import (
     Chunk,
     ChunkResult,
+    DiskOps,
     FinishReason,
     FlushCacheDone,
     ForwardBatch,
     ForwardResult,
     NewRequest,
+    PinDone,
+    PinList,
+    PinPrefix,
     RequestOutput,
     RequestRejected,
+    SamplingParams,
     SchedulerStats,
     TokenizedRequest,
+    UnpinPrefix,
     WorkerReady,
 )
 from radixserve.scheduler.grammar import GrammarCompiler, GrammarError
 from radixserve.scheduler.kv import KVManager, pages_for
 from radixserve.scheduler.ngram import NgramDrafter
+from radixserve.scheduler.pins import PinRefused, Pins
 from radixserve.scheduler.policy import order_waiting, shares_uncached_prefix
 from radixserve.scheduler.request import Request
 from radixserve.scheduler.stop import StopChecker
@@ -63,7 +70,8 @@ ADMISSION_SHARE = 4  # 1/4 of a step's prompt budget goes to short prompts while
 @dataclass
 class Counters:
     prompt_tokens: int = 0
-    cached_prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # from memory and from disk
+    cached_prompt_tokens_disk: int = 0  # of those, loaded from the disk tier
     generation_tokens: int = 0
     retractions: int = 0
     spec_draft_tokens: int = 0
@@ -86,6 +94,11 @@ class Scheduler:
             ready.total_pages, ready.page_size, config.max_running_requests,
             enable_cache=not config.disable_radix_cache,
         )
+        if config.kv_disk_dir and ready.disk_page_bytes:
+            self.kv.attach_disk(
+                ready.kv_model_key, int(config.kv_disk_gb * 2**30) // ready.disk_page_bytes,
+                ready.disk_pages, ready.disk_page_bytes,
+            )
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.counters = Counters()
@@ -105,6 +118,8 @@ class Scheduler:
         self._finished_keys: list[str] = []
         self.outputs: list[RequestOutput] = []
         self.rejections: list[RequestRejected] = []  # refused after queueing (a bad grammar)
+        self.pins = Pins(self.kv, config.max_pinned_fraction)
+        self.replies: list[PinDone] = []  # pins made in a step, for the front
 
     # ------------------------------------------------------------------ requests in
 
@@ -167,8 +182,43 @@ class Scheduler:
             if req.rid == rid:
                 req.abort_requested = True
 
+    def pin(self, order: PinPrefix) -> PinDone | None:
+        """Queue a prefix to pin as a prompt-only request (scheduler/pins.py); answered when it
+        ends (`_finish`), or now if it can never be held."""
+        try:
+            self.pins.check_order(order)
+        except PinRefused as exc:
+            return PinDone(order.req_id, error=str(exc))
+        if pages_for(len(order.input_ids) + 1, self.page_size) > self.kv.total_pages:
+            return PinDone(order.req_id, error=f"the prefix ({len(order.input_ids)} tokens) does not fit in the KV pool")
+        self.waiting.append(Request(
+            rid=-1 - order.req_id, index=0, input_ids=order.input_ids,  # never a front's rid (>= 0)
+            sampling=SamplingParams(max_new_tokens=0, temperature=0.0), namespace=order.cache_salt or None,
+            arrival=self._arrivals, pin=order,
+        ))
+        self._arrivals += 1
+        return None
+
+    def unpin(self, order: UnpinPrefix) -> PinList:
+        released = self.pins.release(order.pin_ids, order.input_ids, order.cache_salt)
+        return PinList(order.req_id, [pin.info() for pin in released])
+
+    def list_pins(self, req_id: int) -> PinList:
+        return PinList(req_id, self.pins.list())
+
+    def _complete_pin(self, req: Request, finish: FinishReason) -> PinDone:
+        order: PinPrefix = req.pin
+        if finish.type == "abort":
+            return PinDone(order.req_id, error=finish.message or "aborted")
+        keys = self.kv.disk.keys_for(order.input_ids, req.namespace) if self.kv.disk is not None else []
+        try:
+            pin = self.pins.hold(order, keys)
+        except PinRefused as exc:
+            return PinDone(order.req_id, error=str(exc))
+        return PinDone(order.req_id, pin.info(), cached_tokens=req.cached_tokens)
+
     def flush_cache(self, req_id: int) -> FlushCacheDone:
-        freed = self.kv.cache.flush()
+        freed = self.kv.flush()
         return FlushCacheDone(req_id, freed, ok=not self.running)
 
     def stats(self, req_id: int) -> SchedulerStats:
@@ -189,8 +239,25 @@ class Scheduler:
             last_step_time=self.last_step_time,
             spec_draft_tokens_total=self.counters.spec_draft_tokens,
             spec_accepted_tokens_total=self.counters.spec_accepted_tokens,
+            cached_prompt_tokens_disk_total=self.counters.cached_prompt_tokens_disk,
+            pinned_tokens_memory=self.pins.pinned_tokens("memory"),
+            pinned_tokens_disk=self.pins.pinned_tokens("disk"),
             **self._grammar_stats(),
+            **self._disk_stats(),
         )
+
+    def _disk_stats(self) -> dict[str, Any]:
+        disk = self.kv.disk
+        if disk is None:
+            return {}
+        r = disk.report
+        return {
+            "kv_disk_pages": len(disk.index), "kv_disk_bytes": disk.bytes_used,
+            "kv_disk_capacity_bytes": disk.index.capacity * disk.page_bytes,
+            "kv_disk_stored_bytes_total": r.stored_bytes, "kv_disk_loaded_bytes_total": r.loaded_bytes,
+            "kv_disk_store_seconds_total": r.store_seconds, "kv_disk_load_seconds_total": r.load_seconds,
+            "kv_disk_corrupt_pages_total": r.corrupt_pages,
+        }
 
     def _grammar_stats(self) -> dict[str, Any]:
         if self.grammars is None:
@@ -210,9 +277,13 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     @property
-    def only_compiling(self) -> bool:
-        """Nothing to step but requests whose grammars compile: the loop may wait a little."""
-        return not self.running and all(r.grammar_wait is not None for r in self.waiting)
+    def only_waiting(self) -> bool:
+        """Nothing to step but requests whose grammars compile or whose pages are being read
+        from disk: the loop may wait a little (and poll the worker for the reads)."""
+        if self.running:
+            return False
+        reading = self.kv.disk is not None and self.kv.disk.waiting_on_reads
+        return all(r.grammar_wait is not None or reading for r in self.waiting)
 
     def _resolve_grammars(self) -> None:
         """Give waiting samples whose grammar has compiled their matchers; refuse the requests
@@ -250,8 +321,11 @@ class Scheduler:
         for req in [r for r in self.running if r.abort_requested]:
             self._finish(req, FinishReason("abort", message="aborted"))
         self._in_flight, self._in_flight_keys = [], set()
+        self.pins.expire(time.time())
         if self.grammars is not None:
             self._resolve_grammars()
+        if self.kv.disk is not None:
+            self.kv.disk.plan(self.waiting)
         if not self._schedule_isolated():
             self._schedule_step()
         if not self._in_flight:
@@ -272,7 +346,11 @@ class Scheduler:
         return ForwardBatch(
             chunks=[c for _, c in self._in_flight], new_requests=new_requests,
             assigned=assigned, appended=appended, released=released, finished=finished,
+            disk=self._disk_ops(),
         )
+
+    def _disk_ops(self) -> DiskOps | None:
+        return None if self.kv.disk is None else self.kv.disk.take_ops()
 
     def _schedule_step(self) -> None:
         self._schedule_decodes()
@@ -309,12 +387,29 @@ class Scheduler:
         return bool(self._in_flight)
 
     def pending_worker_cleanup(self) -> ForwardBatch | None:
-        """Rows released and states finished while no forward runs: tell the worker anyway."""
-        if not (self._finished_keys or self.kv.released or self.kv.assigned or self.kv.appended):
+        """Rows released, states finished or disk work queued while no forward runs: tell the
+        worker anyway; and while pages are read from disk, ask it how far it got (a poll)."""
+        disk = self._disk_ops()
+        polling = self.kv.disk is not None and self.kv.disk.waiting_on_reads
+        if not (self._finished_keys or self.kv.released or self.kv.assigned or self.kv.appended or disk or polling):
             return None
         assigned, appended, released = self.kv.take_deltas()
         finished, self._finished_keys = self._finished_keys, []
-        return ForwardBatch(chunks=[], assigned=assigned, appended=appended, released=released, finished=finished)
+        return ForwardBatch(chunks=[], assigned=assigned, appended=appended, released=released, finished=finished,
+                            disk=disk)
+
+    def write_back_cache(self) -> ForwardBatch | None:
+        """At a stop, with a disk tier: every unlocked cached page goes to disk (eviction writes
+        back what the disk lacks), so the next start finds it. The batch to send, if any."""
+        if self.kv.disk is None:
+            return None
+        self.kv.cache.evict(self.kv.cache.evictable_pages)
+        return self.pending_worker_cleanup()
+
+    def absorb_worker_report(self, result: ForwardResult) -> None:
+        """What a step without chunks brought back: the disk threads' progress."""
+        if result.disk is not None and self.kv.disk is not None:
+            self.kv.disk.absorb(result.disk)
 
     def _schedule_decodes(self) -> None:
         decoding = [r for r in self.running if not r.is_prefilling and not r.isolated and not self._scheduled(r)]
@@ -405,16 +500,22 @@ class Scheduler:
                 continue  # its grammar compiles; the others need not wait for it
             if req.isolated and isolated is None:
                 continue  # it runs alone (_schedule_isolated)
-            cached = self.kv.cache.peek_prefix_length(req.fill_ids[: req.match_limit], req.namespace)
+            in_memory = self.kv.cache.peek_prefix_length(req.fill_ids[: req.match_limit], req.namespace)
+            on_disk, reading = self.kv.disk_run(req, in_memory)
+            if reading:
+                continue  # its pages on disk are being read; the others need not wait for it
+            cached = in_memory + on_disk * self.page_size
             if self._should_wait_for_prefill(req, cached):
                 continue
             n = min(req.fill_len - cached, budget)
-            need = pages_for(cached + n, self.page_size) - cached // self.page_size
+            # the pages loaded from disk need pool pages too, the matched ones do not
+            need = pages_for(cached + n, self.page_size) - in_memory // self.page_size
             reserve = self._reserved_pages() + self._future_pages(req, cached + n) if self.running else 0
             # the matched pages get locked: they stop counting as evictable
-            if self.kv.available_pages - cached // self.page_size < need + reserve:
+            if self.kv.available_pages - in_memory // self.page_size < need + reserve:
                 break  # not `continue`: smaller requests must not starve this one forever
-            matched = self.kv.admit(req)
+            from_memory, from_disk = self.kv.admit(req)
+            matched = from_memory + from_disk
             n = self._grow_for_chunk(req, n)
             if n == 0:
                 self.kv.release(req)
@@ -426,6 +527,7 @@ class Scheduler:
                 req.cached_tokens = matched
                 self.counters.prompt_tokens += len(req.input_ids)
                 self.counters.cached_prompt_tokens += matched
+                self.counters.cached_prompt_tokens_disk += from_disk
             self._add_chunk(req, n)
             budget -= n
         return budget
@@ -513,6 +615,7 @@ class Scheduler:
 
     def process_result(self, result: ForwardResult) -> None:
         self.last_step_time = time.time()
+        self.absorb_worker_report(result)
         for (req, chunk), res in zip(self._in_flight, result.results):
             if chunk.draft_len:
                 self._take_verified(req, chunk, res)
@@ -623,6 +726,9 @@ class Scheduler:
         if req.wants_input_logprobs and req.computed_len >= len(req.input_ids):
             req.input_logprobs_done = True
         self._end(req, finish)
+        if req.pin is not None:
+            self.replies.append(self._complete_pin(req, finish))
+            return
         self.outputs.append(self._output(req, [], finish))
 
     def _end(self, req: Request, finish: FinishReason) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from radixserve.cache.allocator import OutOfPages, PageAllocator
 from radixserve.cache.base import NoCache, PrefixCache
 from radixserve.cache.radix_tree import RadixTree
+from radixserve.scheduler.disk_tier import DiskTier
 from radixserve.scheduler.request import Request
 
 
@@ -27,6 +28,7 @@ class KVManager:
         cache_cls = RadixTree if enable_cache else NoCache
         self.cache: PrefixCache = cache_cls(page_size, self.allocator)
         self._free_rows = list(range(max_rows - 1, -1, -1))
+        self.disk: DiskTier | None = None  # attach_disk, with --kv-disk-dir
         self.assigned: list[tuple[int, list[int]]] = []  # deltas for the next ForwardBatch
         self.appended: list[tuple[int, list[int]]] = []
         self.released: list[int] = []
@@ -56,14 +58,40 @@ class KVManager:
             self.cache.evict(short)
         return self.allocator.alloc(n)
 
-    def admit(self, req: Request) -> int:
-        """Match and lock the request's cached prefix and give it a row. Returns the matched length."""
+    def attach_disk(self, model_key: bytes, capacity_pages: int, known: list[bytes], page_bytes: int) -> None:
+        """Put the disk tier under the tree (scheduler/disk_tier.py)."""
+        if not isinstance(self.cache, RadixTree):
+            raise ValueError("the disk tier needs the prefix cache")
+        self.disk = DiskTier(self.cache, model_key, capacity_pages, known, page_bytes, self.total_pages)
+
+    def disk_run(self, req: Request, cached: int) -> tuple[int, bool]:
+        """Pages on disk that follow the request's `cached` tokens, and whether they are still
+        being read (the request waits for them: `admit` loads them once the worker has them)."""
+        if self.disk is None:
+            return 0, False
+        run, reading = self.disk.run(req, cached)
+        return len(run), reading
+
+    def admit(self, req: Request) -> tuple[int, int]:
+        """Match and lock the request's cached prefix and give it a row: the pages in memory,
+        then those that follow on disk, loaded into fresh pages (`disk_run` said they are all
+        read). Returns the matched tokens, from memory and from disk."""
         match = self.cache.match_prefix(req.fill_ids[: req.match_limit], req.namespace)
         self.cache.lock(match.node)
+        from_disk = 0
+        if self.disk is not None:
+            run, reading = self.disk.run(req, match.length)
+            if run and not reading:
+                pages = self.alloc(len(run))
+                self.disk.take_loaded(pages, run)
+                end = match.length + len(run) * self.page_size
+                loaded = self.cache.insert_and_lock(req.fill_ids[:end], match.pages + pages, req.namespace)
+                self.cache.unlock(match.node)
+                match, from_disk = loaded, len(run) * self.page_size
         req.node, req.pages, req.tree_len, req.computed_len = match.node, list(match.pages), match.length, match.length
         req.row = self._free_rows.pop()
         self.assigned.append((req.row, list(req.pages)))
-        return match.length
+        return match.length - from_disk, from_disk
 
     def grow(self, req: Request, new_len: int) -> None:
         """Make the request's pages cover `new_len` tokens. Raises OutOfPages, changing nothing."""
@@ -100,6 +128,12 @@ class KVManager:
         """Pages running requests hold: their own, and the cached ones they lock (a chunked
         prefill publishes its pages to the tree as it goes, but they are no less in use)."""
         return self.allocator.num_used - self.cache.stats().evictable_pages
+
+    def flush(self) -> int:
+        """``/flush_cache``: drop every unlocked prefix, in memory and on disk (pins stay)."""
+        if self.disk is not None:
+            self.disk.flush()
+        return self.cache.flush()
 
     def check(self, running: list[Request]) -> None:
         """Raise RuntimeError unless free + tree + request-owned pages == total."""

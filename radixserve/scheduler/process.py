@@ -16,10 +16,13 @@ from radixserve.protocol import (
     ForwardResult,
     FrontToScheduler,
     GetStats,
+    ListPins,
+    PinPrefix,
     SchedulerReady,
     Shutdown,
     TokenBatchOut,
     TokenizedRequest,
+    UnpinPrefix,
     WorkerFailed,
     WorkerReady,
     WorkerToScheduler,
@@ -32,7 +35,7 @@ from radixserve.scheduler.stop import StopChecker
 log = logging.getLogger("radixserve.scheduler")
 
 IDLE_POLL_MS = 50
-GRAMMAR_POLL_MS = 2  # only requests whose grammars compile wait: look again soon, but do not spin
+WAIT_POLL_MS = 2  # only requests whose grammars compile or disk pages load wait: look again soon, but do not spin
 
 
 class WorkerDied(RuntimeError):
@@ -57,7 +60,7 @@ def run_scheduler(config: ServerConfig, endpoints: Endpoints) -> None:
     )
     threading.Thread(target=grammars.warm_up, name="grammar-warm-up", daemon=True).start()
     scheduler = Scheduler(config, ready, _stop_checker_factory(tokenizer), grammars)
-    to_front.send(SchedulerReady(**{f: getattr(ready, f) for f in WorkerReady.__struct_fields__}))
+    to_front.send(SchedulerReady(**{f: getattr(ready, f) for f in SchedulerReady.__struct_fields__}))
 
     def forward(batch: ForwardBatch) -> ForwardResult:
         to_worker.send(batch)
@@ -68,10 +71,13 @@ def run_scheduler(config: ServerConfig, endpoints: Endpoints) -> None:
 
     try:
         while True:
-            wait_ms = IDLE_POLL_MS if not scheduler.has_work else GRAMMAR_POLL_MS if scheduler.only_compiling else 0
+            wait_ms = IDLE_POLL_MS if not scheduler.has_work else WAIT_POLL_MS if scheduler.only_waiting else 0
             msg = from_front.recv(timeout_ms=wait_ms)
             while msg is not None:
                 if isinstance(msg, Shutdown):
+                    write_back = scheduler.write_back_cache()  # the disk tier keeps the pool's pages
+                    if write_back is not None:
+                        forward(write_back)
                     return
                 _handle(scheduler, msg, to_front)
                 msg = from_front.recv(timeout_ms=0)
@@ -81,10 +87,13 @@ def run_scheduler(config: ServerConfig, endpoints: Endpoints) -> None:
             else:
                 cleanup = scheduler.pending_worker_cleanup()
                 if cleanup is not None:
-                    forward(cleanup)
+                    scheduler.absorb_worker_report(forward(cleanup))
             for rejected in scheduler.rejections:
                 to_front.send(rejected)
             scheduler.rejections = []
+            for reply in scheduler.replies:
+                to_front.send(reply)
+            scheduler.replies = []
             if scheduler.outputs:
                 to_front.send(TokenBatchOut(scheduler.outputs))
                 scheduler.outputs = []
@@ -118,6 +127,14 @@ def _handle(scheduler: Scheduler, msg: object, to_front: Sender) -> None:
         to_front.send(scheduler.flush_cache(msg.req_id))
     elif isinstance(msg, GetStats):
         to_front.send(scheduler.stats(msg.req_id))
+    elif isinstance(msg, PinPrefix):
+        refused = scheduler.pin(msg)
+        if refused is not None:
+            to_front.send(refused)
+    elif isinstance(msg, UnpinPrefix):
+        to_front.send(scheduler.unpin(msg))
+    elif isinstance(msg, ListPins):
+        to_front.send(scheduler.list_pins(msg.req_id))
 
 
 class _LazyTokenizer:

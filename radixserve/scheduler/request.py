@@ -64,6 +64,12 @@ class Request:
     drafter: Any = None
     draft_k: int = 0
     spec_accepted: int = 0
+    # the disk tier (scheduler/disk_tier.py): the keys of its pages, computed once, and whether
+    # its pages on disk were read ahead while it waited
+    page_keys: list[bytes] = field(default_factory=list)
+    disk_planned: bool = False
+    # a prefix to pin (protocol.PinPrefix): computed as a prompt-only request, then held
+    pin: Any = None
     created: float = field(default_factory=time.monotonic)
 
     @property
@@ -103,5 +109,6 @@ class Request:
     def reset_kv(self) -> None:
         """Forget KV state (after retraction): it will be matched and computed again."""
         self.row, self.pages, self.node, self.tree_len, self.computed_len = None, [], None, 0, 0
+        self.disk_planned = False
         if self.wants_input_logprobs:
             self.input_logprobs, self.input_top_logprobs = [], []

@@ -38,6 +38,7 @@ def run_worker(config: ServerConfig, endpoints: Endpoints, placement: Placement 
     while True:
         msg = inbox.recv()
         if isinstance(msg, Shutdown):
+            worker.close()
             return
         try:
             outbox.send(worker.step(msg))

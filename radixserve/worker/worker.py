@@ -19,6 +19,7 @@ from radixserve.protocol import Chunk, ChunkResult, ForwardBatch, ForwardResult,
 from radixserve.worker.attention import create_backend
 from radixserve.worker.cuda_graph import graph_batch_sizes
 from radixserve.worker.device import dtype_name, resolve_device, resolve_dtype
+from radixserve.worker.kv_disk import DiskStore, model_key
 from radixserve.worker.kv_pool import KVPool
 from radixserve.worker.model_runner import ModelRunner, SequenceChunk
 from radixserve.worker.page_table import PageTable
@@ -63,6 +64,13 @@ class Worker:
         self.page_table = PageTable(
             config.max_running_requests, -(-self.context_len // config.page_size), self.device
         )
+        self.disk: DiskStore | None = None
+        self.disk_pages: list[bytes] = []
+        if config.kv_disk_dir:
+            weights = sorted(loaded.path.glob("*.safetensors")) + [loaded.path / "config.json"]
+            self.disk = DiskStore(config.kv_disk_dir, self.pool, model_key(weights, self.pool))
+            self.disk_pages = self.disk.scan()
+            log.info("kv disk tier: %s, %d pages found", self.disk.dir, len(self.disk_pages))
         backend = create_backend(config.attention_backend, self.pool, shape, self.device)
         self.runner = ModelRunner(loaded.model, self.page_table, backend)
         if self.device.type == "cuda" and backend.supports_cuda_graph and not config.disable_cuda_graph:
@@ -90,17 +98,28 @@ class Worker:
             dtype=dtype_name(self.dtype),
             device=str(self.device),
             cpu_isa=str(isa.selected_tier()),
+            kv_model_key=self.disk.key if self.disk else b"",
+            disk_pages=self.disk_pages,
+            disk_page_bytes=self.disk.file_bytes if self.disk else 0,
         )
+
+    def close(self) -> None:
+        """At a stop: finish the disk tier's writes (the scheduler sent the last ones)."""
+        if self.disk is not None:
+            self.disk.close()
 
     def step(self, batch: ForwardBatch) -> ForwardResult:
         start = time.perf_counter()
         self._apply(batch)
+        if batch.disk is not None and self.disk is not None:
+            self.disk.apply(batch.disk)  # before the forward: it may reuse the pages stored
         if self._fail_on_token is not None and any(self._fail_on_token in c.token_ids for c in batch.chunks):
             raise RuntimeError(f"{FAIL_ON_TOKEN_ENV}: a chunk holds token {self._fail_on_token}")
         results = [ChunkResult() for _ in batch.chunks]
         if batch.chunks:
             self._run(batch, results)
-        return ForwardResult(results, time.perf_counter() - start)
+        report = self.disk.report() if self.disk is not None else None
+        return ForwardResult(results, time.perf_counter() - start, report)
 
     def _apply(self, batch: ForwardBatch) -> None:
         for row in batch.released:

@@ -1,0 +1,143 @@
+"""The disk tier (--kv-disk-dir): what it buys a RAG server whose documents outgrow its KV pool,
+and the first request after a restart.
+
+Two measurements, each with its baseline in the same run (the default model unless --model):
+
+1. `thrash`: the rag workload (D documents of L tokens, Q questions each, in a shuffled order,
+   at a fixed concurrency) on a KV pool that holds about a third of the documents, so memory
+   alone keeps evicting documents before their next question comes. Disk tier off, then on:
+   mean TTFT, output tokens/s and the prompt tokens served from a cache. The runs alternate
+   (off, on, off, on, ...) and the medians are reported.
+2. `restart`: each document asked once on a server with the disk tier (its KV goes to disk as
+   the pool evicts and the server stops), then the server is restarted on the same directory
+   and each document asked a new question: the mean first-request TTFT of the restarted server
+   against a cold one (no disk tier), in alternation. Target: <= 0.3x.
+
+    python -m bench.disk_tier
+    python -m bench.disk_tier --docs 6 --doc-tokens 1000 --rounds 3
+
+Results: stdout and bench/results/disk_tier.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import platform
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.serving import emit_json, launch_server, load_tokenizer, run_workload
+from bench.workloads import build
+
+
+def cpu_name() -> str:
+    out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+    for line in out.splitlines():
+        if line.startswith("Model name:"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def _serve_options(args: argparse.Namespace, disk: Path | None) -> list[str]:
+    options = ["--dtype", args.dtype, "--page-size", str(args.page_size), "--kv-pages", str(args.kv_pages)]
+    if disk is not None:
+        options += ["--kv-disk-dir", str(disk)]
+    return options
+
+
+def _thrash_run(args: argparse.Namespace, workload: Any, disk: Path | None) -> dict[str, float]:
+    with launch_server(args.model, *_serve_options(args, disk)) as url:
+        result = asyncio.run(run_workload(url, workload, concurrency=args.concurrency, progress=False,
+                                          system="disk tier on" if disk else "memory only"))
+    m = result.metrics
+    assert m["errors"] == 0, f"{m['errors']} requests failed"
+    return {"mean_ttft_ms": 1000 * m["ttft_mean"], "output_tok_s": m["output_throughput"],
+            "cache_hit_fraction": m["cache_hit_fraction"]}
+
+
+def _first_requests(url: str, workload: Any) -> list[float]:
+    """TTFT of each document's request, one after the other."""
+    result = asyncio.run(run_workload(url, workload, concurrency=1, progress=False))
+    assert result.metrics["errors"] == 0, "requests failed"
+    return [r.ttft for r in result.requests]
+
+
+def _restart_round(args: argparse.Namespace, first: Any, second: Any) -> dict[str, float]:
+    with tempfile.TemporaryDirectory(prefix="radixserve-disk-") as tmp:
+        disk = Path(tmp) / "kv"
+        with launch_server(args.model, *_serve_options(args, disk)) as url:
+            _first_requests(url, first)  # computes every document; the pool sends them to disk
+        start = time.perf_counter()
+        with launch_server(args.model, *_serve_options(args, disk), flush=False) as url:
+            restart_s = time.perf_counter() - start
+            warm = _first_requests(url, second)
+    with launch_server(args.model, *_serve_options(args, None)) as url:
+        cold = _first_requests(url, second)
+    return {"restart_ttft_ms": 1000 * statistics.mean(warm), "cold_ttft_ms": 1000 * statistics.mean(cold),
+            "ratio": statistics.mean(warm) / statistics.mean(cold), "restart_to_healthy_s": restart_s}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--docs", type=int, default=6)
+    parser.add_argument("--doc-tokens", type=int, default=1000)
+    parser.add_argument("--questions", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, default=2)
+    parser.add_argument("--kv-pages", type=int, default=160, help="the pool: about a third of the documents")
+    parser.add_argument("--rounds", type=int, default=2, help="off/on pairs of each measurement")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/disk_tier.json"))
+    args = parser.parse_args(argv)
+
+    tokenizer = load_tokenizer(args.model)
+    rag = build("rag", tokenizer, docs=args.docs, doc_tokens=args.doc_tokens, questions=args.questions,
+                max_tokens=args.max_tokens)
+    first = build("rag", tokenizer, docs=args.docs, doc_tokens=args.doc_tokens, questions=1,
+                  max_tokens=args.max_tokens, seed=1)
+    second = build("rag", tokenizer, docs=args.docs, doc_tokens=args.doc_tokens, questions=1,
+                   max_tokens=args.max_tokens, seed=2)  # the same documents, other questions
+    thrash: dict[str, list[dict[str, float]]] = {"off": [], "on": []}
+    restarts: list[dict[str, float]] = []
+    for round_ in range(args.rounds):
+        for mode in ("off", "on"):
+            with tempfile.TemporaryDirectory(prefix="radixserve-disk-") as tmp:
+                run = _thrash_run(args, rag, Path(tmp) / "kv" if mode == "on" else None)
+            thrash[mode].append(run)
+            print(f"round {round_ + 1} thrash {mode}: {run}", flush=True)
+        restarts.append(_restart_round(args, first, second))
+        print(f"round {round_ + 1} restart: {restarts[-1]}", flush=True)
+
+    def median(runs: list[dict[str, float]], key: str) -> float:
+        return statistics.median(r[key] for r in runs)
+
+    summary = {
+        "thrash": {
+            mode: {k: median(runs, k) for k in runs[0]} for mode, runs in thrash.items()
+        },
+        "restart": {k: median(restarts, k) for k in restarts[0]},
+    }
+    off, on = summary["thrash"]["off"], summary["thrash"]["on"]
+    summary["thrash"]["ttft_ratio_on_vs_off"] = on["mean_ttft_ms"] / off["mean_ttft_ms"]
+    summary["thrash"]["throughput_ratio_on_vs_off"] = on["output_tok_s"] / off["output_tok_s"]
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu_name(), "args": vars(args) | {"out": str(args.out)}}
+    emit_json({"meta": meta, "summary": summary, "thrash_runs": thrash, "restart_runs": restarts}, args.out)
+    print(f"\nthrash (median of {args.rounds}): memory only {off}\n  disk tier {on}")
+    print(f"  TTFT on/off {summary['thrash']['ttft_ratio_on_vs_off']:.2f}x, "
+          f"output tok/s on/off {summary['thrash']['throughput_ratio_on_vs_off']:.2f}x")
+    r = summary["restart"]
+    print(f"restart: first-request TTFT {r['restart_ttft_ms']:.0f} ms vs cold {r['cold_ttft_ms']:.0f} ms "
+          f"= {r['ratio']:.2f}x (target <= 0.3x)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
