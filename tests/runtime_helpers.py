@@ -19,14 +19,16 @@ TOKENIZER_FILES = (
 )
 
 
-def make_tiny_chat_model(path: Path, seed: int = 0, max_position_embeddings: int = 2048) -> Path:
-    """A 2-layer random Llama that uses the default model's real tokenizer (49,152 tokens)."""
+def make_tiny_chat_model(path: Path, seed: int = 0, max_position_embeddings: int = 2048, **config_overrides: int) -> Path:
+    """A 2-layer random Llama that uses the default model's real tokenizer (49,152 tokens).
+    `config_overrides`: LlamaConfig fields to change (a smaller `vocab_size` keeps only the
+    tokenizer's first ids: prompts are then given as token ids)."""
     default = resolve_model("default")
-    config = LlamaConfig(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_position_embeddings,
-        bos_token_id=1, eos_token_id=2, tie_word_embeddings=True,
-    )
+    config = LlamaConfig(**{
+        "vocab_size": 49152, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": max_position_embeddings,
+        "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": True, **config_overrides,
+    })
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():

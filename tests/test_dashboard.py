@@ -27,6 +27,8 @@ PROMETHEUS_YML = ROOT / "deploy" / "prometheus.yml"
 SERVED_NAME = "tiny-dashboard"
 SELECTOR = 'model_name=~"$model_name"'
 METRIC = re.compile(r"\bradixserve_[a-z0-9_]+")
+# label values the test's traffic never produces: no series, so no data for queries selecting them
+NEVER_HERE = ('finish_reason="abort"', 'status=~"5.."')
 
 
 def _queries(node: Any) -> list[str]:
@@ -54,11 +56,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 def _traffic(server: Server) -> None:
     """Requests that finish (so the latency histograms and the finished counter have samples),
-    the second one hitting the cache."""
+    the second one hitting the cache, and one refused."""
     body = {"messages": [{"role": "user", "content": "The same prompt twice, " * 8}], "max_tokens": 4, "temperature": 0}
     for _ in range(2):
         r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
+    assert httpx.post(server.url + "/v1/chat/completions", json={**body, "temperature": -1}, timeout=60).status_code == 400
 
 
 def test_the_dashboard_covers_what_the_issue_lists(dashboard):
@@ -68,7 +71,7 @@ def test_the_dashboard_covers_what_the_issue_lists(dashboard):
     assert {"radixserve_requests_finished_total", "radixserve_num_running_requests", "radixserve_num_waiting_requests",
             "radixserve_kv_pages_running", "radixserve_kv_pages_cached", "radixserve_kv_pages_free",
             "radixserve_prompt_tokens_total", "radixserve_cached_prompt_tokens_total",
-            "radixserve_generation_tokens_total"} <= queried
+            "radixserve_generation_tokens_total", "radixserve_http_responses_total"} <= queried
     assert any("histogram_quantile(0.99" in q for q in _queries(dashboard))
     hit_rate = [q for q in _queries(dashboard) if "cached_prompt_tokens_total" in q and " / " in q]
     assert hit_rate and "radixserve_prompt_tokens_total" in hit_rate[0].split(" / ")[1]
@@ -95,6 +98,24 @@ def test_every_metric_the_dashboard_queries_is_on_a_running_server(dashboard, se
     queried = {m for q in _queries(dashboard) for m in METRIC.findall(q)}
     assert queried, "no query names a radixserve_ metric"
     assert not queried - exposed, f"the dashboard queries what /metrics does not have: {sorted(queried - exposed)}"
+
+
+def test_http_answers_are_counted_by_route_and_status(server):
+    def counts() -> dict[str, float]:
+        return metric_samples(httpx.get(server.url + "/metrics", timeout=30).text, model_name=SERVED_NAME)
+
+    before = counts()
+    bad = {"messages": [{"role": "user", "content": "hi"}], "temperature": -1}
+    assert httpx.post(server.url + "/v1/chat/completions", json=bad, timeout=30).status_code == 400
+    assert httpx.get(server.url + "/v1/models/no-such-model", timeout=30).status_code == 404
+    assert httpx.get(server.url + "/no/such/route", timeout=30).status_code == 404
+    assert httpx.delete(server.url + "/generate", timeout=30).status_code == 405
+    assert httpx.get(server.url + "/", timeout=30).status_code == 200
+    after = counts()
+    for route, status in (("/v1/chat/completions", 400), ("/v1/models/{model:path}", 404), ("other", 404),
+                          ("/generate", 405), ("/", 200)):
+        key = f'radixserve_http_responses_total{{route="{route}",status="{status}"}}'
+        assert after[key] - before.get(key, 0.0) == 1, key
 
 
 def _prometheus_config(server: Server) -> dict[str, Any]:
@@ -136,7 +157,7 @@ def test_prometheus_runs_every_query_of_the_dashboard(dashboard, server, tmp_pat
             promql = query.replace("$model_name", SERVED_NAME).replace("$__rate_interval", "30s")
             answer = httpx.get(api + "/query", params={"query": promql}, timeout=10).json()
             assert answer["status"] == "success", (query, answer)
-            if 'finish_reason="abort"' not in query:  # nothing was aborted: that series does not exist
+            if not any(label in query for label in NEVER_HERE):
                 assert answer["data"]["result"], f"no data for {query}"
     finally:
         proc.terminate()

@@ -5,7 +5,8 @@ A random tiny model (real tokenizer) falls into loops, so its own output soon re
 drafter has spans to propose; prompts that quote themselves add more. Greedy output, seeded
 sampling (a draw depends only on seed and step, so it is the same draw with or without a
 draft), stop strings, logprobs, n > 1, chunked prefill and retraction under a tiny pool, at
-page sizes 1 and 16.
+page sizes 1 and 16. Unseeded sampling is checked by its distribution: an 8-token model's
+samples with speculation against those without, by a chi-square statistic.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ DOC = "The river flows north to the sea, past the mill and the old stone bridge.
 PROMPTS = [DOC + "Quote the text:", "Hello there, how are you today?", DOC[:120] + " and then", "1 2 3 4 5 6 7 8"]
 # every sequence of these batches may draft (the default stops at 8 decoding)
 SPEC = {"speculative_algorithm": "ngram", "speculative_num_draft_tokens": 4, "speculative_max_batch_size": 64}
+SMALL_VOCAB = 8  # the distribution test's model: its bigrams are 64 cells
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +43,27 @@ def echo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         for name, p in model.named_parameters():
             if p.dim() == 2 and "embed" not in name:
                 p.mul_(0.05)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def small_vocab_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An 8-token model whose next token repeats the last one with probability 0.4-0.6 and is
+    spread over the others otherwise (small embeddings, nearly silent layers): its samples
+    run in repeats that the drafter proposes and that are often accepted, and its
+    distributions are wide enough that a bias in what is accepted shows. One attention head
+    of 64 (a head size the CPU prefill kernel serves: checking drafts is fast)."""
+    path = make_tiny_chat_model(tmp_path_factory.mktemp("spec_small") / "model", vocab_size=SMALL_VOCAB,
+                                num_attention_heads=1, num_key_value_heads=1)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * (0.04 if "embed" in name else 0.03))
     model.save_pretrained(path)
     return path
 
@@ -88,6 +111,61 @@ def test_logprobs_chunked_prefill_and_retraction_are_unchanged(echo_dir):
     plain = _outputs(echo_dir, options, params, **kwargs)
     spec = _outputs(echo_dir, {**options, **SPEC}, params, **kwargs)
     assert _same(plain, spec, logprobs=True) > 20
+
+
+def _bigram_counts(prompt: list[int], outputs: list[list[int]]) -> torch.Tensor:
+    """[samples, V * V]: how often each pair of consecutive tokens occurs in each sample's
+    output (its first token paired with the prompt's last)."""
+    counts = torch.zeros(len(outputs), SMALL_VOCAB * SMALL_VOCAB, dtype=torch.float64)
+    for i, out in enumerate(outputs):
+        seq = [prompt[-1], *out]
+        for a, b in zip(seq, seq[1:]):
+            counts[i, a * SMALL_VOCAB + b] += 1
+    return counts
+
+
+def _chi_square(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Pearson's statistic of the 2 x C contingency table of pooled counts `a`, `b` ([..., C]),
+    over the columns either one has."""
+    table = torch.stack([a, b], dim=-2)  # [..., 2, C]
+    expected = table.sum(-1, keepdim=True) * table.sum(-2, keepdim=True) / table.sum((-2, -1), keepdim=True)
+    seen = expected > 0
+    return torch.where(seen, (table - expected) ** 2 / expected.where(seen, 1.0), 0.0).sum((-2, -1))
+
+
+def _permutation_p_value(x: torch.Tensor, y: torch.Tensor, permutations: int, seed: int) -> float:
+    """p-value of the chi-square statistic of `x`'s and `y`'s pooled per-sample counts, its null
+    distribution from random relabellings of the samples. The bigrams of one sample are not
+    independent (a repeat makes the next one likelier), so the chi-square distribution itself
+    would understate the statistic's spread; the samples are, so relabelling them is exact."""
+    observed = _chi_square(x.sum(0), y.sum(0))
+    both = torch.cat([x, y])
+    gen = torch.Generator().manual_seed(seed)
+    in_x = (torch.rand(permutations, len(both), generator=gen).argsort(dim=1) < len(x)).to(both.dtype)
+    null = _chi_square(in_x @ both, (1 - in_x) @ both)
+    return (int((null >= observed).sum()) + 1) / (permutations + 1)
+
+
+def test_unseeded_sampling_is_distributed_as_without_speculation(small_vocab_dir):
+    """Without a seed a draft is checked with draws from the shared generator, so the tokens
+    differ from plain sampling's: their distribution must not. 1,024 samples each way, 24
+    tokens at temperature 1 with top-k and top-p, compared by the chi-square statistic of
+    their bigram counts; at these sizes it tells exact checking from one that accepts a
+    rejected draft token one time in ten (tried by hand). The engines' and the relabelling's
+    generators are seeded, so a run repeats itself closely; it passes at p > 0.001."""
+    prompt = [3, 3, 3, 3, 4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7, 3, 3]
+    params = {"max_new_tokens": 24, "temperature": 1.0, "top_k": 6, "top_p": 0.95, "ignore_eos": True}
+    counts, accepted = [], 0
+    for options in ({}, SPEC):
+        # one thread: a tiny model's many small ops only wait for each other on a busy machine
+        with Engine(model=str(small_vocab_dir), dtype="float32", seed=0, num_threads=1, **options) as engine:
+            # 64 at a time: a batch that fits in the running set drafts once it has prefilled
+            outs = [o for _ in range(16) for o in engine.generate(input_ids=[prompt] * 64, sampling_params=params)]
+        assert all(len(o["output_ids"]) == 24 for o in outs)
+        counts.append(_bigram_counts(prompt, [o["output_ids"] for o in outs]))
+        accepted = sum(o["meta_info"].get("spec_accepted_tokens", 0) for o in outs)
+    assert accepted > 2000  # of 24,576 tokens: verification really chose between draft and draw
+    assert _permutation_p_value(*counts, permutations=4000, seed=0) > 1e-3
 
 
 def test_the_option_validates_and_takes_sglang_spelling():

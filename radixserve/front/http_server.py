@@ -36,7 +36,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Match, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from radixserve import __version__
@@ -55,7 +55,7 @@ from radixserve.front.http_common import (
 )
 from radixserve.front.inputs import build_requests
 from radixserve.front.manager import EngineDead, GenerateRequest, TokenizerManager
-from radixserve.front.metrics import CONTENT_TYPE
+from radixserve.front.metrics import CONTENT_TYPE, ServerMetrics
 from radixserve.front.recovery import BackendEvents
 from radixserve.front.serving import ServerState
 from radixserve.front.tenants import SCOPE_KEY, Tenants, load_api_key_file, scope_requests
@@ -123,7 +123,8 @@ def create_app(config: ServerConfig, backend: Backend, ready: SchedulerReady, to
         state.tenants_on = True
     elif config.api_key is not None:
         app.add_middleware(APIKeyMiddleware, keys=Tenants.single(config.api_key), per_tenant=False, public=public)
-    app.add_middleware(DrainMiddleware, state=state)  # outermost: counts and refuses before anything
+    app.add_middleware(DrainMiddleware, state=state)  # refuses before anything else runs
+    app.add_middleware(ResponseCountMiddleware, routes=routes, metrics=state.metrics)  # outermost: sees every answer
     return app
 
 
@@ -191,6 +192,43 @@ class APIKeyMiddleware:
         scheme, _, token = value.partition(b" ")
         tenant = self._keys.lookup(token.strip())
         return tenant if scheme.lower() == b"bearer" else None
+
+
+class ResponseCountMiddleware:
+    """Counts every HTTP answer by route and status (radixserve_http_responses_total), from the
+    outside, so that answers given before any route runs (a 401, a draining server's 503) count
+    too. The route label is the declared path of the route the request's path matches, whatever
+    the method (a 405 counts under its route), else `other`: a bounded set of values, whatever
+    paths clients send. A request whose client left before any answer started counts nowhere."""
+
+    def __init__(self, app: ASGIApp, routes: list[BaseRoute], metrics: ServerMetrics) -> None:
+        self.app = app
+        self._routes = [r for r in routes if isinstance(r, Route)]
+        self._metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status: int | None = None
+
+        async def counting_send(message: dict[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            if status is not None:
+                self._metrics.observe_response(self._route(scope), status)
+
+    def _route(self, scope: Scope) -> str:
+        for route in self._routes:
+            if route.matches(scope)[0] is not Match.NONE:
+                return route.path
+        return "other"
 
 
 class DrainMiddleware:

@@ -160,6 +160,10 @@ class ServerMetrics:
             PREFIX + "requests_finished", "Sequences finished, by finish reason (stop, length, abort).",
             ["finish_reason"], registry=self.registry,
         )
+        self.http_responses = Counter(
+            PREFIX + "http_responses", "HTTP answers by route (the path the route is declared with; "
+            "`other` where none matched) and status code.", ["route", "status"], registry=self.registry,
+        )
         # per tenant (--api-key-file only): the label's values are the file's names, a bounded set
         self._tenant_counters: tuple[Counter, Counter, Counter] | None = None
 
@@ -177,6 +181,9 @@ class ServerMetrics:
         for counter in self._tenant_counters:
             for name in sorted(names):
                 counter.labels(tenant=name)
+
+    def observe_response(self, route: str, status: int) -> None:
+        self.http_responses.labels(route=route, status=str(status)).inc()
 
     def observe_finished(self, meta: dict[str, Any], tenant: str | None = None) -> None:
         """Record one finished sequence from its `meta_info` (and its tenant's, if it has one)."""
