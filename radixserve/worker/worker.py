@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,7 +24,7 @@ from radixserve.worker.kv_disk import DiskStore, model_key
 from radixserve.worker.kv_pool import KVPool
 from radixserve.worker.model_runner import ModelRunner, SequenceChunk
 from radixserve.worker.page_table import PageTable
-from radixserve.worker.sampler import Sampler, SamplingState, token_logprobs
+from radixserve.worker.sampler import SampleOutput, Sampler, SamplingState, token_logprobs
 
 if TYPE_CHECKING:
     from radixserve.models.loader import LoadedModel
@@ -143,44 +144,67 @@ class Worker:
                 for c in batch.chunks
             ]
         )
-        for i, c in enumerate(batch.chunks):
-            if c.draft_len:
-                self._verify(c, out.all_logits[i][-(c.draft_len + 1) :], results[i])
-        sampling = [i for i, c in enumerate(batch.chunks) if c.sample and not c.draft_len]
+        sampling = [i for i, c in enumerate(batch.chunks) if c.sample]
         if sampling:
-            states = [self.states[batch.chunks[i].rid] for i in sampling]
-            bitmasks = [batch.chunks[i].token_bitmask for i in sampling]
-            sampled = self.sampler.sample(out.last_logits[sampling], states, bitmasks)
-            for k, i in enumerate(sampling):
-                token = sampled.token_ids[k]
-                states[k].output_ids.append(token)
-                results[i].next_token_id = token
-                results[i].logprob = sampled.logprobs.logprobs[k]
-                results[i].top_logprobs = sampled.logprobs.top[k]
+            self._sample(batch.chunks, sampling, out.last_logits, out.all_logits, results)
         for i, c in enumerate(batch.chunks):
             if c.input_logprobs_from >= 0:
                 self._input_logprobs(c, out.all_logits[i], results[i])
 
-    def _verify(self, chunk: Chunk, logits: torch.Tensor, result: ChunkResult) -> None:
-        """Check a draft: sample after each position in turn, as plain decode steps would, and
-        stop at the first draw that differs from the draft. Every draw is the sampler's own
-        (greedy argmax, or the request's seeded generator at that step), so the tokens are those
-        decoding without a draft gives: exact for greedy and seeded sampling, and distributed as
-        plain sampling otherwise. logits: [draft_len + 1, V], after the last known token and
-        after each draft token."""
+    def _sample(
+        self, chunks: list[Chunk], sampling: list[int], last_logits: torch.Tensor,
+        all_logits: list[torch.Tensor | None], results: list[ChunkResult],
+    ) -> None:
+        """The step's draws, all in one sampler call: one after each sampling chunk, and one
+        after each position of a draft being checked (`_draft_draws`)."""
+        chunks_sampled = [chunks[i] for i in sampling]
+        if not any(c.draft_len for c in chunks_sampled):
+            states = [self.states[c.rid] for c in chunks_sampled]
+            logits = last_logits[sampling]
+            bitmasks = [c.token_bitmask for c in chunks_sampled]
+        else:
+            states, rows, bitmasks = [], [], []
+            for i, c in zip(sampling, chunks_sampled, strict=True):
+                if c.draft_len:
+                    states += self._draft_draws(c)
+                    rows.append(all_logits[i][-(c.draft_len + 1) :])
+                    bitmasks += [b""] * (c.draft_len + 1)  # a constrained request never drafts
+                else:
+                    states.append(self.states[c.rid])
+                    rows.append(last_logits[i : i + 1])
+                    bitmasks.append(c.token_bitmask)
+            logits = torch.cat(rows)
+        sampled = self.sampler.sample(logits, states, bitmasks)
+        at = 0
+        for i, c in zip(sampling, chunks_sampled, strict=True):
+            draws = c.draft_len + 1
+            self._take_draws(c, sampled, at, draws, results[i])
+            at += draws
+
+    def _draft_draws(self, chunk: Chunk) -> list[SamplingState]:
+        """The sampling states of a draft's draws: after the last known token, and after each
+        draft token as if the draft up to it had been sampled (its penalties count them, and a
+        seeded draw is the one of that step). The draw after position j is kept only when the
+        draws before it all matched the draft, so every kept token is the one plain decoding
+        would sample there: the same for greedy and seeded sampling, and from the same
+        distribution otherwise (a later draw of the shared generator is independent of the
+        ones it replaces)."""
         state = self.states[chunk.rid]
         draft = chunk.token_ids[-chunk.draft_len :]
-        for j in range(chunk.draft_len + 1):
-            sampled = self.sampler.sample(logits[j : j + 1], [state])
-            token = sampled.token_ids[0]
-            state.output_ids.append(token)
-            logprob, top = sampled.logprobs.logprobs[0], sampled.logprobs.top[0]
-            if j == chunk.draft_len or token != draft[j]:
-                result.next_token_id, result.logprob, result.top_logprobs = token, logprob, top
-                return
-            result.accepted_ids.append(token)
-            result.accepted_logprobs.append(logprob)
-            result.accepted_top_logprobs.append(top)
+        return [state] + [replace(state, output_ids=state.output_ids + draft[:j]) for j in range(1, len(draft) + 1)]
+
+    def _take_draws(self, chunk: Chunk, sampled: SampleOutput, at: int, draws: int, result: ChunkResult) -> None:
+        """A chunk's draws `at:at + draws` of `sampled`: without a draft its next token; with one,
+        the draws that matched the draft up to the first that does not (or the last), which is
+        the next token."""
+        tokens = sampled.token_ids[at : at + draws]
+        draft = chunk.token_ids[len(chunk.token_ids) - chunk.draft_len :]
+        kept = next((j for j, (token, want) in enumerate(zip(tokens[:-1], draft, strict=True)) if token != want), len(draft))
+        self.states[chunk.rid].output_ids.extend(tokens[: kept + 1])
+        logprobs, top = sampled.logprobs.logprobs[at : at + draws], sampled.logprobs.top[at : at + draws]
+        result.next_token_id, result.logprob, result.top_logprobs = tokens[kept], logprobs[kept], top[kept]
+        if kept:
+            result.accepted_ids, result.accepted_logprobs, result.accepted_top_logprobs = tokens[:kept], logprobs[:kept], top[:kept]
 
     def _input_logprobs(self, chunk, logits: torch.Tensor, result: ChunkResult) -> None:
         """Logprob of each token after position `input_logprobs_from` of the chunk, given the tokens before it.
