@@ -14,13 +14,6 @@ const state = {
   controller: null,  // the AbortController of the reply being streamed, if any
 };
 
-class ServerError extends Error {
-  constructor(status, message) {
-    super(message);
-    this.status = status;
-  }
-}
-
 // ---------------------------------------------------------------- the server
 
 function apiKey() {
@@ -43,7 +36,7 @@ async function errorOf(response) {
     if (body && body.error && typeof body.error.message === "string") message = body.error.message;
   } catch (_) { /* not JSON: the text itself */ }
   if (response.status === 401) askForKey();
-  return new ServerError(response.status, `${response.status}: ${message}`);
+  return new Error(`${response.status}: ${message}`);
 }
 
 async function call(path, init) {
@@ -135,7 +128,7 @@ async function reply() {
       method: "POST", body, signal: controller.signal,
     });
     for await (const chunk of events(response)) {
-      if (chunk.error) throw new ServerError(null, chunk.error.message);  // failed after it started
+      if (chunk.error) throw new Error(chunk.error.message);  // failed after it started
       if (chunk.usage) usage = chunk.usage;
       for (const choice of chunk.choices || []) {
         const text = choice.delta && choice.delta.content;
