@@ -77,12 +77,16 @@ class ModelRunner:
             self.backend.plan(batch)
             hidden = self.model(input_ids, positions, self.backend)  # [T, hidden]
 
-        ends = torch.tensor(batch.extend_lens).cumsum(0)
-        last_logits = self.model.compute_logits(hidden[(ends - 1).to(self.device)])
-        all_logits: list[torch.Tensor | None] = []
-        for c, end in zip(chunks, ends.tolist()):
-            if c.all_logits:
-                all_logits.append(self.model.compute_logits(hidden[end - len(c.token_ids) : end]))
-            else:
-                all_logits.append(None)
+        # one LM head over the rows wanted: each chunk's last, or all of a chunk's that asks
+        rows: list[int] = []
+        spans: list[tuple[int, int]] = []  # each chunk's rows in `rows`
+        end = 0
+        for c in chunks:
+            end += len(c.token_ids)
+            first = end - len(c.token_ids) if c.all_logits else end - 1
+            spans.append((len(rows), len(rows) + end - first))
+            rows += range(first, end)
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)] if len(rows) < len(hidden) else hidden)
+        last_logits = logits[torch.tensor([stop - 1 for _, stop in spans], device=self.device)]
+        all_logits = [logits[a:b] if c.all_logits else None for c, (a, b) in zip(chunks, spans, strict=True)]
         return ForwardOutput(last_logits, all_logits)

@@ -2,7 +2,8 @@
 
 Decode requests (one new token each) are attended in one call: on the CPU by the C kernel
 `radixserve.kernels.cpu.paged_decode`, which reads the pages in place; elsewhere, or without a
-C compiler, by one batched SDPA over their gathered, padded contexts. Requests with several new
+C compiler, by one batched SDPA over their gathered, padded contexts; on the CPU kernel so is
+each token of a request with very few new tokens (`SHORT_EXTEND`). Requests with more new
 tokens (prefill chunks) are attended one by one: on the CPU, where it is faster, by the C kernel
 `prefill_attention` (pages read in place; see `cpu_kernels.prefill_attention_serves`), else by
 SDPA with a causal mask offset by the cached prefix, where a request with no cached prefix
@@ -17,6 +18,12 @@ import torch.nn.functional as F
 from radixserve.kernels import cpu as cpu_kernels
 from radixserve.worker.attention.base import AttentionBackend, AttentionBatch, AttentionShape
 from radixserve.worker.kv_pool import KVPool
+
+# On the CPU kernels an extend of at most this many tokens is attended as that many decode rows,
+# each reading its context in place: the prefill kernel repacks the whole context per call,
+# which costs more than a decode row's read, but less than three (a one-token draft being
+# checked is two tokens over a long context).
+SHORT_EXTEND = 2
 
 
 class TorchNativeBackend(AttentionBackend):
@@ -59,26 +66,35 @@ class TorchNativeBackend(AttentionBackend):
         starts = [0]
         for e in batch.extend_lens:
             starts.append(starts[-1] + e)
-        decode = [i for i, e in enumerate(batch.extend_lens) if e == 1]
-        self._extends = [
-            _Extend(starts[i], starts[i + 1], batch.prefix_lens[i], slots[i, : seq_lens[i]],
-                    page_table[i, : -(-seq_lens[i] // ps)])
-            for i, e in enumerate(batch.extend_lens)
-            if e > 1
-        ]
+        # a request with one new token is a decode row; on the CPU kernels so is each token of a
+        # short extend (a draft being checked), its context up to and with it (`forward` stores
+        # every new key and value before it attends)
+        short = SHORT_EXTEND if self.uses_cpu_kernel else 1
+        decode_of: list[int] = []  # the request of each decode row
+        decode_lens: list[int] = []
+        decode_rows: list[int] = []  # its token's row in the packed q
+        self._extends = []
+        for i, (prefix, extend) in enumerate(zip(batch.prefix_lens, batch.extend_lens, strict=True)):
+            if extend <= short:
+                decode_of += [i] * extend
+                decode_lens += range(prefix + 1, prefix + extend + 1)
+                decode_rows += range(starts[i], starts[i + 1])
+            else:
+                self._extends.append(_Extend(starts[i], starts[i + 1], prefix, slots[i, : seq_lens[i]],
+                                             page_table[i, : -(-seq_lens[i] // ps)]))
         self._decode_rows = None
-        if decode:
-            lens = torch.tensor([seq_lens[i] for i in decode], device=device)
-            self._decode_rows = torch.tensor([starts[i] for i in decode], device=device)
+        if decode_of:
+            lens = torch.tensor(decode_lens, device=device)
+            self._decode_rows = torch.tensor(decode_rows, device=device)
             if self.uses_cpu_kernel:
-                self._decode_pages = page_table[decode].contiguous()
+                self._decode_pages = page_table[decode_of].contiguous()
                 self._decode_lens = lens
                 return
             dec_len = int(lens.max())
-            self._decode_slots = slots[decode, :dec_len]  # [Bd, L]
+            self._decode_slots = slots[decode_of, :dec_len]  # [Bd, L]
             # [Bd, 1, 1, L]: True where the key position is part of the request's context
             self._decode_mask = (pos[:dec_len][None, :] < lens[:, None])[:, None, None, :]
-            rows = len(decode) * dec_len
+            rows = len(decode_of) * dec_len
             if self._gather_k.shape[0] < rows:
                 shape = (rows, self.shape.num_kv_heads, self.shape.head_dim)
                 self._gather_k = torch.empty(shape, device=device, dtype=self.pool.dtype)
