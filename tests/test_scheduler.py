@@ -448,3 +448,47 @@ def test_a_stop_inside_an_accepted_draft_ends_there(at):
         assert done["stop", 0]["tokens"] == quoted[: quoted.index(stop) + 1], options
         assert done["stop", 0]["finish"].type == "stop"
         assert done["short", 0]["tokens"] == quoted[: at + 1] and done["short", 0]["finish"].type == "length"
+
+
+def test_a_request_whose_drafts_are_always_rejected_pauses_longer_each_time():
+    """Every token the fake worker outputs stands once in this prompt, so with 1-token windows
+    a draft is found at every step (the tokens after it in the prompt), and the fake model never
+    continues the prompt: every draft is rejected. The request pauses for 1, 2, 4, 8, ... decode
+    steps after its drafts' rate falls: a few drafts in its 60 tokens, not one per step, and
+    still one now and then."""
+    prompt = list(range(3, 1000))
+    sched, worker = make(pages=512, chunk_size=1024, speculative_algorithm="ngram",
+                         speculative_ngram_min_match_window_size=1)
+    sched.add_request(request("r", prompt, max_new=60))
+    done = run(sched, worker)
+    assert done["r", 0]["tokens"] == expected_tokens(prompt, 60)
+    assert sched.counters.spec_accepted_tokens == 0
+    drafting = [i for i, b in enumerate(worker.steps) if any(c.draft_len for c in b.chunks)]
+    assert [b - a for a, b in zip(drafting, drafting[1:])] == [1, 2, 3, 5, 9, 17]
+    assert sched.counters.spec_draft_tokens == 4 + 1 * 6  # the first at full length, then 1 each
+    assert len(worker.steps) == 1 + 59  # the prefill, then one step per token
+
+
+def test_draft_pace_backs_off_while_drafts_fail_and_resumes_when_they_are_accepted():
+    from radixserve.scheduler.draft_pace import DraftPace
+
+    pace = DraftPace(4)
+    assert pace.allow() == 4
+    pace.record(4, 0)  # the rate halves to 0.5: still drafting, at length 1
+    assert pace.allow() == 1
+    pace.record(1, 0)  # 0.25: one step paused
+    assert [pace.allow() for _ in range(2)] == [0, 1]
+    pace.record(1, 0)  # again: two steps
+    assert [pace.allow() for _ in range(3)] == [0, 0, 1]
+    pace.record(1, 1)  # accepted: the rate is back up, no pause, and the length grows again
+    assert [pace.allow() for _ in range(2)] == [2, 2]
+    pace.record(2, 2)
+    assert pace.allow() == 4
+    pace.record(4, 0)  # one rejection after a good run: no pause
+    assert pace.allow() == 1
+    for _ in range(12):  # a long failing run: pauses double up to the cap
+        pace.record(1, 0)
+        paused = 0
+        while not pace.allow():
+            paused += 1
+    assert paused == 64

@@ -151,7 +151,7 @@ def test_unseeded_sampling_is_distributed_as_without_speculation(small_vocab_dir
     differ from plain sampling's: their distribution must not. 1,024 samples each way, 24
     tokens at temperature 1 with top-k and top-p, compared by the chi-square statistic of
     their bigram counts; at these sizes it tells exact checking from one that accepts a
-    rejected draft token one time in ten (tried by hand). The engines' and the relabelling's
+    rejected draft token one time in five (tried by hand). The engines' and the relabelling's
     generators are seeded, so a run repeats itself closely; it passes at p > 0.001."""
     prompt = [3, 3, 3, 3, 4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7, 3, 3]
     params = {"max_new_tokens": 24, "temperature": 1.0, "top_k": 6, "top_p": 0.95, "ignore_eos": True}
@@ -164,7 +164,7 @@ def test_unseeded_sampling_is_distributed_as_without_speculation(small_vocab_dir
         assert all(len(o["output_ids"]) == 24 for o in outs)
         counts.append(_bigram_counts(prompt, [o["output_ids"] for o in outs]))
         accepted = sum(o["meta_info"].get("spec_accepted_tokens", 0) for o in outs)
-    assert accepted > 2000  # of 24,576 tokens: verification really chose between draft and draw
+    assert accepted > 1000  # of 24,576 tokens: verification really chose between draft and draw
     assert _permutation_p_value(*counts, permutations=4000, seed=0) > 1e-3
 
 

@@ -49,6 +49,7 @@ from radixserve.protocol import (
     UnpinPrefix,
     WorkerReady,
 )
+from radixserve.scheduler.draft_pace import DraftPace
 from radixserve.scheduler.grammar import GrammarCompiler, GrammarError
 from radixserve.scheduler.kv import KVManager, pages_for
 from radixserve.scheduler.ngram import NgramDrafter
@@ -443,16 +444,17 @@ class Scheduler:
 
     def _draft(self, req: Request) -> list[int]:
         """The request's next draft: tokens its own prompt and output suggest (scheduler/ngram.py),
-        at most its current draft length and never past its budget (the token sampled after the
-        draft counts too). Empty for a constrained request: its bitmask holds for one position."""
+        at most what its pace allows (scheduler/draft_pace.py: none while its drafts keep
+        failing) and never past its budget (the token sampled after the draft counts too). Empty
+        for a constrained request: its bitmask holds for one position."""
         if req.matcher is not None:
             return []
         if req.drafter is None:
             c = self.config
             req.drafter = NgramDrafter(c.speculative_ngram_min_match_window_size, c.speculative_ngram_max_match_window_size)
-            req.draft_k = c.speculative_num_draft_tokens
+            req.draft_pace = DraftPace(c.speculative_num_draft_tokens)
         room = min(req.sampling.max_new_tokens - len(req.output_ids), self.context_len - req.fill_len) - 1
-        return req.drafter.propose(req.input_ids, req.output_ids, min(req.draft_k, room))
+        return req.drafter.propose(req.input_ids, req.output_ids, min(req.draft_pace.allow(), room))
 
     def _schedule_prompts(self, budget: int) -> None:
         """Share the step's prompt-token budget between running prefills and admission.
@@ -643,14 +645,13 @@ class Scheduler:
         tokens (the rejected ones' slots are past `computed_len`: overwritten later, never
         published to the tree), append the accepted tokens and the one sampled after them, one
         output each (so stops, `max_new_tokens` and the texts of both ends stay per token), and
-        adapt the request's draft length to how much was accepted."""
+        pace the request's drafts by how much was accepted."""
         accepted = res.accepted_ids
         req.computed_len += len(chunk.token_ids) - chunk.draft_len + len(accepted)
         req.spec_accepted += len(accepted)
         self.counters.spec_draft_tokens += chunk.draft_len
         self.counters.spec_accepted_tokens += len(accepted)
-        full = len(accepted) == chunk.draft_len
-        req.draft_k = max(1, min(self.config.speculative_num_draft_tokens, 2 * req.draft_k if full else len(accepted) + 1))
+        req.draft_pace.record(chunk.draft_len, len(accepted))
         tokens = [*accepted, res.next_token_id]
         logprobs = [*res.accepted_logprobs, res.logprob] if req.return_logprob else [0.0] * len(tokens)
         tops = [*res.accepted_top_logprobs, res.top_logprobs] if req.top_logprobs_num else [[]] * len(tokens)

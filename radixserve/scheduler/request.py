@@ -59,10 +59,11 @@ class Request:
     # a suspect of the last engine crash (TokenizedRequest.isolate): scheduled in steps of its
     # own until it samples a token
     isolated: bool = False
-    # speculative decoding (scheduler/ngram.py): the sample's drafter, made at its first draft,
-    # how many tokens its next draft may have, and how many of its draft tokens were accepted
+    # speculative decoding: the sample's drafter (scheduler/ngram.py) and the pace of its drafts
+    # (scheduler/draft_pace.py), both made at its first draft, and how many of its draft tokens
+    # were accepted
     drafter: Any = None
-    draft_k: int = 0
+    draft_pace: Any = None
     spec_accepted: int = 0
     # the disk tier (scheduler/disk_tier.py): the keys of its pages, computed once, and whether
     # its pages on disk were read ahead while it waited

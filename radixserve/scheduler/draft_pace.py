@@ -1,0 +1,49 @@
+"""How much a request drafts (speculative decoding): its next draft's length, and pauses while
+its drafts keep failing.
+
+Checking a draft costs its forward whether or not a token of it is accepted, so a request
+whose drafts are rejected (an answer that does not copy its prompt) would pay for them on every
+step. Its pace follows its own record:
+
+- length: doubles (to `--speculative-num-draft-tokens`) after a draft accepted whole, else
+  becomes the accepted part + 1;
+- pauses: when its acceptance rate over recent drafts (each draft's accepted fraction, in an
+  average that halves an older draft's weight) falls below `MIN_ACCEPT_RATE`, it skips its next
+  `backoff` decode steps' drafts, `backoff` doubling (to `MAX_BACKOFF`) each time a draft after
+  a pause fails again and going back to none once a draft keeps the rate up. A request that
+  never gains drafts at steps 0, 1, 3, 6, 11, 20, ...: a few checks per answer, not one per
+  token, and it still notices when its output starts to quote.
+"""
+
+from __future__ import annotations
+
+MIN_ACCEPT_RATE = 0.3
+MAX_BACKOFF = 64  # decode steps: a paused request still tries now and then
+
+
+class DraftPace:
+    """One sample's draft length and pauses."""
+
+    def __init__(self, max_length: int) -> None:
+        self.max_length = max_length
+        self.length = max_length  # the most tokens of its next draft
+        self.rate = 1.0  # accepted fraction of recent drafts
+        self._backoff = 0  # the last pause's length (0: none since the rate was last met)
+        self._paused = 0  # decode steps left without a draft
+
+    def allow(self) -> int:
+        """The most tokens this decode step's draft may have: 0 while paused (the step counts)."""
+        if self._paused:
+            self._paused -= 1
+            return 0
+        return self.length
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """A checked draft of `drafted` tokens, of which the first `accepted` were kept."""
+        self.length = max(1, min(self.max_length, 2 * self.length if accepted == drafted else accepted + 1))
+        self.rate = (self.rate + accepted / drafted) / 2
+        if self.rate < MIN_ACCEPT_RATE:
+            self._backoff = min(2 * self._backoff, MAX_BACKOFF) or 1
+            self._paused = self._backoff
+        else:
+            self._backoff = 0
