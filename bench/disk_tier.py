@@ -24,24 +24,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import platform
 import statistics
-import subprocess
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from bench.router import cpu_model
 from bench.serving import emit_json, launch_server, load_tokenizer, run_workload
 from bench.workloads import Workload, build
-
-
-def cpu_name() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-    for line in out.splitlines():
-        if line.startswith("Model name:"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
 
 
 def _serve_options(args: argparse.Namespace, disk: Path | None) -> list[str]:
@@ -135,7 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     off, on = summary["thrash"]["off"], summary["thrash"]["on"]
     summary["thrash"]["ttft_ratio_on_vs_off"] = on["mean_ttft_ms"] / off["mean_ttft_ms"]
     summary["thrash"]["throughput_ratio_on_vs_off"] = on["output_tok_s"] / off["output_tok_s"]
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu_name(), "args": vars(args) | {"out": str(args.out)}}
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu_model(), "args": vars(args) | {"out": str(args.out)}}
     emit_json({"meta": meta, "summary": summary, "thrash_runs": thrash, "restart_runs": restarts}, args.out)
     print(f"\nthrash (median of {args.rounds}): memory only {off}\n  disk tier {on}")
     print(f"  TTFT on/off {summary['thrash']['ttft_ratio_on_vs_off']:.2f}x, "
