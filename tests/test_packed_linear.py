@@ -16,7 +16,13 @@ import torch.nn.functional as F
 from radixserve.kernels import cpu as cpu_kernels
 from radixserve.kernels import isa
 from radixserve.models.loader import load_model
-from radixserve.models.packed_linear import OneDNNLinear, PanelLinear, pack_linears, packed_linear
+from radixserve.models.packed_linear import (
+    OneDNNLinear,
+    PanelLinear,
+    fp32_logits_head,
+    pack_linears,
+    packed_linear,
+)
 
 # a compiler, not a built library: building is the tier's business, at test time
 needs_kernels = pytest.mark.skipif(cpu_kernels._compiler() is None, reason="no C compiler on this machine")
@@ -45,13 +51,15 @@ def _problem(rows: int, in_features: int, out_features: int, bias: bool, dtype: 
     return x, weight, b
 
 
-def _assert_ulps_close(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+def _assert_ulps_close(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       out_dtype: torch.dtype | None = None):
     """fp32 sums in another order: within a few ulps of the sum of |terms| of the exact result;
-    bf16 outputs also within half a bf16 step (at most 2^-8 relative) of it, their one rounding."""
+    bf16 outputs also within half a bf16 step (at most 2^-8 relative) of it, their one rounding.
+    Outputs are in x's dtype unless `out_dtype` says otherwise."""
     exact = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
     magnitude = F.linear(x.double().abs(), weight.double().abs()) + (0 if bias is None else bias.double().abs())
-    assert got.shape == exact.shape and got.dtype == x.dtype
-    rounding = 2.0**-8 * exact.abs() if x.dtype == torch.bfloat16 else 0.0
+    assert got.shape == exact.shape and got.dtype == (out_dtype or x.dtype)
+    rounding = 2.0**-8 * exact.abs() if got.dtype == torch.bfloat16 else 0.0
     assert ((got.double() - exact).abs() <= 4 * x.shape[-1] ** 0.5 * 6e-8 * magnitude * (1 + 2.0**-8) + rounding + 1e-30).all()
 
 
@@ -75,6 +83,38 @@ def test_panel_linear_matches_f_linear(rows, in_features, out_features, bias, dt
     x, weight, b = _problem(rows, in_features, out_features, bias, dtype, seed=rows)
     got = PanelLinear(weight, b)(x)
     _assert_ulps_close(got, x, weight, b)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 5, 13])
+@pytest.mark.parametrize(("in_features", "out_features"), [(576, 130), (64, 77), (34, 5)])
+def test_bf16_inputs_with_fp32_outputs_are_the_sums_unrounded(rows, in_features, out_features, cpu_tier):
+    """`out_dtype` float32 (an LM head's logits): the fp32 sums within fp32 ulps of exact, with
+    no bf16 rounding, and the bf16 output is exactly their one rounding."""
+    _skip_unless_built_for(torch.bfloat16)
+    x, weight, b = _problem(rows, in_features, out_features, True, torch.bfloat16, seed=rows)
+    sums = PanelLinear(weight, b, out_dtype=torch.float32)(x)
+    _assert_ulps_close(sums, x, weight, b, out_dtype=torch.float32)
+    assert torch.equal(sums.bfloat16(), PanelLinear(weight, b)(x))
+
+
+@needs_kernels
+def test_a_bf16_lm_head_keeps_near_ties_apart(cpu_tier):
+    """Two logits 1/16 apart near 25 round to the same bf16 (1/8 apart there), and greedy
+    argmax would take the lower token id: the head's fp32 logits keep the likelier token first.
+    (A CI machine at the avx512 tier answered "L'Étoile" to the capital of France this way.)"""
+    _skip_unless_built_for(torch.bfloat16)
+    weight = torch.zeros(4, 64, dtype=torch.bfloat16)
+    weight[:, 0] = 25.0
+    weight[:, 1] = torch.tensor([0.0, 0.34375, 0.40625, -3.0])  # logits 25, 25.34375, 25.40625, 22
+    x = torch.zeros(1, 64, dtype=torch.bfloat16)
+    x[0, :2] = 1.0
+    rounded = PanelLinear(weight, None)(x).float()
+    assert rounded[0, 1] == rounded[0, 2] == 25.375 and int(rounded.argmax()) == 1  # the tie
+    head = fp32_logits_head(weight)
+    assert head is not None and head.out_dtype == torch.float32
+    logits = head(x)
+    assert logits.tolist() == [[25.0, 25.34375, 25.40625, 22.0]] and int(logits.argmax()) == 2
 
 
 @needs_kernels
@@ -134,7 +174,8 @@ def test_bf16_takes_onednn_on_amx_cpus_and_for_odd_input_sizes(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_packed_model_gives_the_same_logits(tiny_model_dirs, name, dtype):
     """Every linear and the (tied or untied) lm_head packed: logits unchanged to the last bits
-    (bf16 through oneDNN: to the bit)."""
+    (bf16 through oneDNN: hidden states to the bit); a bf16 head where the panel kernel builds
+    bf16 gives fp32 logits, the sums unrounded."""
     from radixserve.worker.attention.base import AttentionBatch
     from radixserve.worker.attention.torch_native import TorchNativeBackend
     from radixserve.worker.kv_pool import KVPool
@@ -154,11 +195,16 @@ def test_packed_model_gives_the_same_logits(tiny_model_dirs, name, dtype):
         backend.plan(AttentionBatch(16, torch.tensor([[0, 1]]), [0], [20]))
         with torch.inference_mode():
             hidden = model(tokens, torch.arange(20), backend)
-            outputs.append(model.compute_logits(hidden))
+            outputs.append((hidden, model.compute_logits(hidden)))
+    (hidden, logits), (packed_hidden, packed_logits) = outputs
     if any(isinstance(m, OneDNNLinear) for m in model.modules()):
-        assert torch.equal(outputs[0], outputs[1])
-    else:  # bf16: a sum that lands next to a rounding boundary can round the other way
-        assert (outputs[0] - outputs[1]).abs().max() < (0.1 if dtype == torch.bfloat16 else 1e-5)
+        assert torch.equal(hidden, packed_hidden)
+    # bf16: a sum that lands next to a rounding boundary can round the other way
+    assert (logits - packed_logits).abs().max() < (0.1 if dtype == torch.bfloat16 else 1e-5)
+    if fp32_logits_head(model.embed_tokens.weight) is not None:  # bf16 logits, not rounded to bf16
+        assert isinstance(model.lm_head, PanelLinear) and model.lm_head.out_dtype == torch.float32
+        assert (packed_logits.view(torch.int32) & 0xFFFF).any()
+        assert not (logits.view(torch.int32) & 0xFFFF).any()
 
 
 def test_a_user_cap_below_avx512_on_onednn_leaves_bf16_layers_unpacked(monkeypatch):

@@ -102,7 +102,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.rotary.restype = None
     lib.silu_mul.argtypes = [ptr, ptr, i64, i64, cint, cint]
     lib.silu_mul.restype = None
-    lib.linear.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, cint, cint]
+    lib.linear.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, cint, cint, cint]
     lib.linear.restype = None
     lib.linear_panel_width.argtypes = []
     lib.linear_panel_width.restype = cint
@@ -342,14 +342,20 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def linear_serves(dtype: torch.dtype, in_features: int) -> bool:
-    """Whether `linear` serves weights of this dtype and input size here: fp32 always, bf16
-    from the avx2 tier up with an even input size (it reads pairs), not on the AMX tier."""
+def linear_builds(dtype: torch.dtype, in_features: int) -> bool:
+    """Whether the tier's build of `linear` has a tile for weights of this dtype and input
+    size: fp32 always, bf16 from the avx2 tier up with an even input size (it reads pairs)."""
     if not supports(dtype, torch.device("cpu")):
         return False
-    if dtype == torch.bfloat16 and (in_features % 2 or torch_owns_bf16_matmuls()):
+    if dtype == torch.bfloat16 and in_features % 2:
         return False
     return bool(load_library().linear_serves(DTYPE_CODES[dtype]))
+
+
+def linear_serves(dtype: torch.dtype, in_features: int) -> bool:
+    """Whether `linear` is the linear layers' kernel here: where it builds, but for bf16 on the
+    AMX tier, where torch's AMX matmuls are faster."""
+    return linear_builds(dtype, in_features) and not (dtype == torch.bfloat16 and torch_owns_bf16_matmuls())
 
 
 def pack_linear(weight: torch.Tensor) -> torch.Tensor:
@@ -368,15 +374,17 @@ def pack_linear(weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, in_features: int,
-           out_features: int) -> torch.Tensor:
-    """x [..., K] @ W.T + bias in x's dtype, W given as `pack_linear(W)`."""
+           out_features: int, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [..., K] @ W.T + bias, W given as `pack_linear(W)`, in x's dtype or in `out_dtype`
+    float32: the fp32 sums of bf16 inputs, not rounded to bf16."""
     lib = load_library()
-    assert lib is not None and x.dtype in DTYPE_CODES
+    out_dtype = out_dtype or x.dtype
+    assert lib is not None and x.dtype in DTYPE_CODES and out_dtype in (x.dtype, torch.float32)
     rows = _row_matrix(x, in_features)
     if bias is not None:
         bias = _dense(bias)
-    out = torch.empty((rows.shape[0], out_features), dtype=x.dtype)
+    out = torch.empty((rows.shape[0], out_features), dtype=out_dtype)
     lib.linear(rows.data_ptr(), rows.stride(0), panels.data_ptr(), None if bias is None else bias.data_ptr(),
                out.data_ptr(), rows.shape[0], in_features, out_features, DTYPE_CODES[x.dtype],
-               torch.get_num_threads())
+               DTYPE_CODES[out_dtype], torch.get_num_threads())
     return out.view(*x.shape[:-1], out_features)

@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from radixserve.models.config import ModelConfig
 from radixserve.models.llama import ARCHITECTURES, LlamaForCausalLM
-from radixserve.models.packed_linear import pack_linears, packed_linear
+from radixserve.models.packed_linear import fp32_logits_head, pack_linears, packed_linear
 from radixserve.models.resolve import resolve_model
 
 # our fused module -> the HF modules it concatenates (along dim 0, in this order)
@@ -58,6 +58,9 @@ def load_model(
     state = _read_weights(path, model, dtype or config.torch_dtype, torch.device(device))
     model.load_state_dict(state, assign=True)
     if pack_weights:
+        head = model.embed_tokens if model.lm_head is None else model.lm_head
+        if (fp32_head := fp32_logits_head(head.weight, getattr(head, "bias", None))) is not None:
+            model.lm_head = fp32_head  # not an nn.Linear: pack_linears leaves it
         pack_linears(model)
         if model.lm_head is None:  # tied: a packed copy of the embedding table, where one applies
             model.lm_head = packed_linear(model.embed_tokens.weight, None)

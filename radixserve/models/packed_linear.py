@@ -13,6 +13,10 @@ more than the arithmetic. Packing once removes it (bench/model_runner.py measure
 
 The packed weight replaces the original (no second copy), except for a tied LM head, whose
 weight is also the embedding table. CUDA keeps nn.Linear: its kernels read the weight as is.
+
+A bf16 LM head is the panel kernel's wherever it builds bf16 (on the AMX tier too), giving the
+fp32 sums as logits (`fp32_logits_head`): rounded to bf16, logits of 16 to 32 are 1/8 apart, so
+near-ties become exact ties and greedy decoding takes the lower token id, not the likelier one.
 """
 
 from __future__ import annotations
@@ -55,14 +59,16 @@ class OneDNNLinear(PackedLinear):
 
 
 class PanelLinear(PackedLinear):
-    """fp32, and bf16 below the AMX tier: column panels for radixserve's CPU kernel."""
+    """fp32, and bf16 below the AMX tier: column panels for radixserve's CPU kernel. Outputs
+    are in the weight's dtype, or fp32 with `out_dtype` (bf16 inputs' sums unrounded)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None) -> None:
         super().__init__(weight, bias)
         self.panels = cpu_kernels.pack_linear(weight)
+        self.out_dtype = out_dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_kernels.linear(x, self.panels, self.bias, self.in_features, self.out_features)
+        return cpu_kernels.linear(x, self.panels, self.bias, self.in_features, self.out_features, self.out_dtype)
 
 
 def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> PackedLinear | None:
@@ -77,6 +83,16 @@ def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> PackedLine
         except RuntimeError as exc:  # e.g. ONEDNN_MAX_CPU_ISA set below AVX-512 by the user
             _onednn_refused(exc)
     return None
+
+
+def fp32_logits_head(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PanelLinear | None:
+    """The LM head of a bf16 CPU model as the panel kernel's fp32 sums, wherever the kernel
+    builds bf16 (see the module docstring); None elsewhere, where the head packs as any linear."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
+        return None
+    if not cpu_kernels.linear_builds(weight.dtype, weight.shape[1]):
+        return None
+    return PanelLinear(weight, bias, out_dtype=torch.float32)
 
 
 def _onednn_refused(exc: RuntimeError) -> None:

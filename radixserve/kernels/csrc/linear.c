@@ -25,10 +25,12 @@
  *
  * Every output is one fp32 dot product summed in k order (bf16: in pairs), the bias added
  * last, bf16 rounded once; MKL and oneDNN sum in other orders, so results differ from
- * torch's in the last bits.
+ * torch's in the last bits. bf16 inputs may also give fp32 outputs, the sums unrounded: an LM
+ * head's logits, where rounding to bf16 makes near-ties exact ties and greedy decoding then
+ * takes the lower token id, not the likelier one.
  *
- *   x [M, K] (rows x_row_stride elements apart), y [M, N] contiguous, bias [N] or NULL, all
- *   of one dtype
+ *   x [M, K] (rows x_row_stride elements apart), bias [N] or NULL, both of the input dtype;
+ *   y [M, N] contiguous, of the output dtype (the input's, or fp32)
  */
 #include <stdint.h>
 #include <string.h>
@@ -72,7 +74,8 @@ int linear_serves(int dtype) {
  * constants after inlining. */
 static inline __attribute__((always_inline)) void tile_avx512(
     const void *x, int64_t x_stride, const uint32_t *panel, int64_t words, const void *bias, void *y,
-    int64_t N, int64_t columns_left, const char *prefetch, int64_t prefetch_lines, const int m, const int DT) {
+    int64_t N, int64_t columns_left, const char *prefetch, int64_t prefetch_lines, const int m, const int DT,
+    const int OT) {
     __m512 acc[TILE_ROWS][4];
     for (int i = 0; i < m; i++)
         for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_ps();
@@ -120,10 +123,11 @@ static inline __attribute__((always_inline)) void tile_avx512(
     for (int j = 0; j < 4; j++) {
         const int64_t left = columns_left - 16 * j;
         const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
-        if (DT == DTYPE_BFLOAT16) {
-            const __m512 b = bias == NULL ? _mm512_setzero_ps()
-                : _mm512_castsi512_ps(_mm512_slli_epi32(
-                      _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, (const uint16_t *)bias + 16 * j)), 16));
+        const __m512 b = bias == NULL ? _mm512_setzero_ps()
+            : DT == DTYPE_BFLOAT16 ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                  _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, (const uint16_t *)bias + 16 * j)), 16))
+            : _mm512_maskz_loadu_ps(mask, (const float *)bias + 16 * j);
+        if (OT == DTYPE_BFLOAT16) {
             for (int i = 0; i < m; i++) {
                 const __m512 sum = _mm512_add_ps(acc[i][j], b);
                 /* round to nearest even, as torch's float -> bf16 */
@@ -133,7 +137,6 @@ static inline __attribute__((always_inline)) void tile_avx512(
                 _mm256_mask_storeu_epi16((uint16_t *)y + i * N + 16 * j, mask, _mm512_cvtepi32_epi16(rounded));
             }
         } else {
-            const __m512 b = bias != NULL ? _mm512_maskz_loadu_ps(mask, (const float *)bias + 16 * j) : _mm512_setzero_ps();
             for (int i = 0; i < m; i++)
                 _mm512_mask_storeu_ps((float *)y + i * N + 16 * j, mask, bias != NULL ? _mm512_add_ps(acc[i][j], b) : acc[i][j]);
         }
@@ -144,10 +147,11 @@ static inline __attribute__((always_inline)) void tile_avx512(
 /* As tile_avx512, in 8-lane vectors. */
 static inline __attribute__((always_inline)) void tile_avx2(
     const void *x, int64_t x_stride, const uint32_t *panel, int64_t words, const void *bias, void *y,
-    int64_t N, int64_t columns_left, const char *prefetch, int64_t prefetch_lines, const int m, const int DT) {
+    int64_t N, int64_t columns_left, const char *prefetch, int64_t prefetch_lines, const int m, const int DT,
+    const int OT) {
     enum { VECS = PANEL / 8 };
-    const int bf16 = DT == DTYPE_BFLOAT16;
-    const int64_t elem = element_size(DT);
+    const int bf16 = DT == DTYPE_BFLOAT16, bf16_out = OT == DTYPE_BFLOAT16;
+    const int64_t elem = element_size(DT), out_elem = element_size(OT);
     __m256 acc[TILE_ROWS][VECS];
     for (int i = 0; i < m; i++)
         for (int j = 0; j < VECS; j++) acc[i][j] = _mm256_setzero_ps();
@@ -193,12 +197,12 @@ static inline __attribute__((always_inline)) void tile_avx2(
         }
         for (int i = 0; i < m; i++) {
             const __m256 sum = bias != NULL ? _mm256_add_ps(acc[i][j], b) : acc[i][j];
-            char *dst = (char *)y + (i * N + 8 * j) * elem;
+            char *dst = (char *)y + (i * N + 8 * j) * out_elem;
             if (left >= 8) {
-                avx2_store(dst, sum, bf16);
+                avx2_store(dst, sum, bf16_out);
             } else {
-                avx2_store(part, sum, bf16);
-                memcpy(dst, part, left * elem);
+                avx2_store(part, sum, bf16_out);
+                memcpy(dst, part, left * out_elem);
             }
         }
     }
@@ -207,11 +211,11 @@ static inline __attribute__((always_inline)) void tile_avx2(
 #endif
 
 #ifdef SIMD_TILE
-/* One specialised copy per row count and dtype: the tile's loops fully unrolled. */
+/* One specialised copy per row count, dtype and output dtype: the tile's loops fully unrolled. */
 static inline __attribute__((always_inline)) void tile_for(
     const void *x, int64_t x_stride, const uint32_t *panel, int64_t words, const void *bias, void *y,
-    int64_t N, int64_t columns_left, const char *prefetch, int64_t lines, int m, const int DT) {
-#define TILE_CASE(M) case M: SIMD_TILE(x, x_stride, panel, words, bias, y, N, columns_left, prefetch, lines, M, DT); return;
+    int64_t N, int64_t columns_left, const char *prefetch, int64_t lines, int m, const int DT, const int OT) {
+#define TILE_CASE(M) case M: SIMD_TILE(x, x_stride, panel, words, bias, y, N, columns_left, prefetch, lines, M, DT, OT); return;
     switch (m) {
 #if TILE_ROWS >= 6
     TILE_CASE(6)
@@ -220,24 +224,28 @@ static inline __attribute__((always_inline)) void tile_for(
 #endif
     TILE_CASE(3)
     TILE_CASE(2)
-    default: SIMD_TILE(x, x_stride, panel, words, bias, y, N, columns_left, prefetch, lines, 1, DT); return;
+    default: SIMD_TILE(x, x_stride, panel, words, bias, y, N, columns_left, prefetch, lines, 1, DT, OT); return;
     }
 #undef TILE_CASE
 }
 
 static void tile(const void *x, int64_t x_stride, const uint32_t *panel, int64_t words, const void *bias,
-                 void *y, int64_t N, int64_t columns_left, const char *prefetch, int64_t lines, int m, int dtype) {
-    if (dtype == DTYPE_BFLOAT16)
-        tile_for(x, x_stride, panel, words, bias, y, N, columns_left, prefetch, lines, m, DTYPE_BFLOAT16);
+                 void *y, int64_t N, int64_t columns_left, const char *prefetch, int64_t lines, int m, int dtype,
+                 int out_dtype) {
+    if (dtype == DTYPE_BFLOAT16 && out_dtype == DTYPE_BFLOAT16)
+        tile_for(x, x_stride, panel, words, bias, y, N, columns_left, prefetch, lines, m, DTYPE_BFLOAT16, DTYPE_BFLOAT16);
+    else if (dtype == DTYPE_BFLOAT16)
+        tile_for(x, x_stride, panel, words, bias, y, N, columns_left, prefetch, lines, m, DTYPE_BFLOAT16, DTYPE_FLOAT32);
     else
-        tile_for(x, x_stride, panel, words, bias, y, N, columns_left, prefetch, lines, m, DTYPE_FLOAT32);
+        tile_for(x, x_stride, panel, words, bias, y, N, columns_left, prefetch, lines, m, DTYPE_FLOAT32, DTYPE_FLOAT32);
 }
 #else
 /* The portable tile (fp32 only): the same sums in the same order, left to the compiler to
  * vectorise. */
 static void tile(const void *x_, int64_t x_stride, const uint32_t *panel_, int64_t K, const void *bias_,
-                 void *y_, int64_t N, int64_t columns_left, const char *prefetch, int64_t lines, int m, int dtype) {
-    (void)prefetch, (void)lines, (void)dtype;
+                 void *y_, int64_t N, int64_t columns_left, const char *prefetch, int64_t lines, int m, int dtype,
+                 int out_dtype) {
+    (void)prefetch, (void)lines, (void)dtype, (void)out_dtype;
     const float *x = x_, *panel = (const float *)panel_, *bias = bias_;
     float *y = y_;
     float acc[TILE_ROWS][PANEL];
@@ -256,10 +264,10 @@ static void tile(const void *x_, int64_t x_stride, const uint32_t *panel_, int64
 }
 #endif
 
-/* Only call for a dtype `linear_serves`; bf16 needs an even K. */
+/* Only call for a dtype `linear_serves`; bf16 needs an even K. out_dtype is dtype or fp32. */
 void linear(const void *x, int64_t x_row_stride, const uint32_t *panels, const void *bias, void *y,
-            int64_t M, int64_t K, int64_t N, int dtype, int num_threads) {
-    const int64_t elem = element_size(dtype), words = K * elem / 4;
+            int64_t M, int64_t K, int64_t N, int dtype, int out_dtype, int num_threads) {
+    const int64_t elem = element_size(dtype), out_elem = element_size(out_dtype), words = K * elem / 4;
     const int64_t num_panels = (N + PANEL - 1) / PANEL;
     const int64_t panel_lines = words * PANEL * 4 / 64;
 #pragma omp parallel num_threads(num_threads) if (M * K * N >= 1 << 18)
@@ -290,7 +298,8 @@ void linear(const void *x, int64_t x_row_stride, const uint32_t *panels, const v
                 const char *prefetch = (const char *)(panel + words * PANEL) + 64 * first;
                 tile((const char *)x + row * x_row_stride * elem, x_row_stride, panel, words,
                      bias == NULL ? NULL : (const char *)bias + p * PANEL * elem,
-                     (char *)y + (row * N + p * PANEL) * elem, N, N - p * PANEL, prefetch, count, rows, dtype);
+                     (char *)y + (row * N + p * PANEL) * out_elem, N, N - p * PANEL, prefetch, count, rows, dtype,
+                     out_dtype);
             }
         }
     }
