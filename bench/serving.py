@@ -379,6 +379,36 @@ def warm_up(url: str, flush: bool = True) -> None:
         flush_cache(url)
 
 
+SPEC_COUNTERS = ("radixserve_spec_draft_tokens_total", "radixserve_spec_accepted_tokens_total")
+
+
+def spec_counters(url: str) -> tuple[float, float] | None:
+    """The server's draft and accepted token counters (speculative decoding), summed over their
+    labels; None where /metrics cannot be read (an API key, another server)."""
+    try:
+        resp = httpx.get(url + "/metrics", timeout=30)
+    except httpx.HTTPError:
+        return None
+    if resp.status_code != 200:
+        return None
+    totals = dict.fromkeys(SPEC_COUNTERS, 0.0)
+    for line in resp.text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in totals:
+            totals[name] += float(line.rsplit(" ", 1)[1])
+    return totals[SPEC_COUNTERS[0]], totals[SPEC_COUNTERS[1]]
+
+
+def add_acceptance(metrics: dict[str, float], before: tuple[float, float] | None,
+                   after: tuple[float, float] | None) -> None:
+    """The run's draft tokens, accepted tokens and their ratio, from the counters around it
+    (left out where nothing was drafted)."""
+    if before is None or after is None or after[0] == before[0]:
+        return
+    drafted, accepted = after[0] - before[0], after[1] - before[1]
+    metrics.update(spec_draft_tokens=drafted, spec_accepted_tokens=accepted, spec_acceptance_rate=accepted / drafted)
+
+
 def flush_cache(url: str) -> None:
     resp = httpx.post(url + "/flush_cache", timeout=60)
     if resp.status_code != 200:
@@ -394,6 +424,7 @@ COLUMNS = (
     ("total tok/s", "total_token_throughput", "{:.0f}"), ("cache hit", "cache_hit_fraction", "{:.2f}"),
     ("TTFT mean/p50/p90/p99 ms", "ttft", None), ("TPOT mean/p50/p90/p99 ms", "tpot", None),
     ("ITL mean/p50/p90/p99 ms", "itl", None), ("TTFT warm/cold ms", "warm", None),
+    ("draft accept", "spec", None),
 )
 
 
@@ -406,6 +437,9 @@ def _cell(r: RunResult, key: str, fmt: str | None) -> str:
         return fmt.format(int(value)) if fmt == "{:d}" else fmt.format(value)
     if key == "warm":
         return f"{_ms(m['mean_ttft_warm_ms'])} / {_ms(m['mean_ttft_cold_ms'])}"
+    if key == "spec":
+        rate = m.get("spec_acceptance_rate")
+        return "-" if rate is None else f"{rate:.2f} of {int(m['spec_draft_tokens'])}"
     return " / ".join(_ms(m[f"{s}_{key}_ms"]) for s in ("mean", "p50", "p90", "p99"))
 
 
@@ -414,8 +448,11 @@ def _ms(v: float) -> str:
 
 
 def markdown_table(runs: Sequence[RunResult]) -> str:
-    lines = ["| " + " | ".join(c[0] for c in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(_cell(r, key, fmt) for _, key, fmt in COLUMNS) + " |" for r in runs]
+    """One row per run; the draft acceptance column only where some run drafted."""
+    drafted = any("spec_acceptance_rate" in r.metrics for r in runs)
+    columns = [c for c in COLUMNS if drafted or c[1] != "spec"]
+    lines = ["| " + " | ".join(c[0] for c in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_cell(r, key, fmt) for _, key, fmt in columns) + " |" for r in runs]
     return "\n".join(lines)
 
 
@@ -489,11 +526,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         runs = []
         for w in workloads:
             flush_cache(url)
+            before = spec_counters(url)
             runs.append(asyncio.run(run_workload(
                 url, w, api=args.api, concurrency=args.concurrency, rate=args.rate, seed=args.seed,
                 system=args.system or ("radixserve " + " ".join(args.server_arg)).strip() if args.launch else args.system,
                 model=args.served_model, progress=not args.no_progress,
             )))
+            add_acceptance(runs[-1].metrics, before, spec_counters(url))
     print(markdown_table(runs))
     write_results(runs, args.out, {"argv": list(argv or sys.argv[1:])})
     print(f"wrote {args.out} and {args.out.with_suffix('.md')}")

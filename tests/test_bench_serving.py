@@ -4,9 +4,11 @@ tiny-model server, the transformers baselines, and the report (table + PNGs)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 
+import httpx
 import pytest
 from http_helpers import TINY_OPTIONS, running_server
 from runtime_helpers import make_tiny_chat_model
@@ -14,10 +16,13 @@ from runtime_helpers import make_tiny_chat_model
 from bench.serving import (
     RequestRecord,
     Slots,
+    add_acceptance,
     flush_cache,
     load_results,
+    markdown_table,
     percentile,
     run_workload,
+    spec_counters,
     summarize,
     warm_flags,
     write_results,
@@ -105,6 +110,32 @@ def test_load_generator_against_a_real_server(server, tokenizer, api):
         assert 1 <= len(r.itl) <= 4
     assert run.metrics["cached_tokens"] > 0, "questions on a document computed before hit the cache"
     assert run.metrics["warm_requests"] > 0 and run.metrics["cold_requests"] > 0
+
+
+def test_acceptance_rate_comes_from_the_servers_counters(server, tiny_dir, tokenizer, tmp_path):
+    """A run's draft and accepted tokens are the growth of the server's /metrics counters over
+    it, and the table shows their ratio; where nothing was drafted there is no such column."""
+    quote = build("quote", tokenizer, docs=1, doc_tokens=64, questions=2, max_tokens=8, seed=0)
+    before = spec_counters(server.url)
+    plain = asyncio.run(run_workload(server.url, quote, concurrency=1, system="off", progress=False))
+    assert before == spec_counters(server.url) == (0.0, 0.0)  # speculation is off there
+    add_acceptance(plain.metrics, before, before)
+    assert "spec_acceptance_rate" not in plain.metrics and "draft accept" not in markdown_table([plain])
+
+    # a random model copies nothing by itself: a token the bias makes the argmax, repeated in
+    # the prompt, gets drafted from the prompt (window 1) and every draft is accepted
+    options = (*TINY_OPTIONS, "--speculative-algorithm", "ngram", "--speculative-ngram-min-match-window-size", "1")
+    body = {"input_ids": [1234] * 8, "sampling_params": {"max_new_tokens": 16, "temperature": 0, "logit_bias": {"1234": 100}}}
+    with running_server(tiny_dir, *options, log_dir=tmp_path) as spec:
+        before = spec_counters(spec.url)
+        httpx.post(spec.url + "/generate", json=body, timeout=60).raise_for_status()
+        after = spec_counters(spec.url)
+    metrics = dict(plain.metrics)
+    add_acceptance(metrics, before, after)
+    assert metrics["spec_draft_tokens"] == after[0] - before[0] > 0
+    assert metrics["spec_accepted_tokens"] == metrics["spec_draft_tokens"] and metrics["spec_acceptance_rate"] == 1.0
+    table = markdown_table([plain, dataclasses.replace(plain, system="on", metrics=metrics)])
+    assert "draft accept" in table and f"| 1.00 of {int(metrics['spec_draft_tokens'])} |" in table
 
 
 def test_follow_ups_carry_the_real_output(server, tokenizer):
