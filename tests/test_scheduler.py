@@ -465,14 +465,20 @@ def test_a_request_whose_drafts_are_always_rejected_pauses_longer_each_time():
     assert sched.counters.spec_accepted_tokens == 0
     drafting = [i for i, b in enumerate(worker.steps) if any(c.draft_len for c in b.chunks)]
     assert [b - a for a, b in zip(drafting, drafting[1:])] == [1, 2, 3, 5, 9, 17]
-    assert sched.counters.spec_draft_tokens == 4 + 1 * 6  # the first at full length, then 1 each
+    assert sched.counters.spec_draft_tokens == 7  # 1 token each: no draft was ever accepted to grow it
     assert len(worker.steps) == 1 + 59  # the prefill, then one step per token
 
 
-def test_draft_pace_backs_off_while_drafts_fail_and_resumes_when_they_are_accepted():
+def test_draft_pace_grows_from_one_token_backs_off_while_drafts_fail_and_resumes():
     from radixserve.scheduler.draft_pace import DraftPace
 
     pace = DraftPace(4)
+    assert pace.allow() == 1  # a first draft is one token: its check is cheap
+    pace.record(1, 1)  # accepted whole: the length doubles, to the cap
+    assert pace.allow() == 2
+    pace.record(2, 2)
+    assert pace.allow() == 4
+    pace.record(4, 4)
     assert pace.allow() == 4
     pace.record(4, 0)  # the rate halves to 0.5: still drafting, at length 1
     assert pace.allow() == 1

@@ -5,8 +5,9 @@ Checking a draft costs its forward whether or not a token of it is accepted, so 
 whose drafts are rejected (an answer that does not copy its prompt) would pay for them on every
 step. Its pace follows its own record:
 
-- length: doubles (to `--speculative-num-draft-tokens`) after a draft accepted whole, else
-  becomes the accepted part + 1;
+- length: starts at 1 (a request's first drafts are cheap to check: a 2-token check is attended
+  as decode rows), doubles (to `--speculative-num-draft-tokens`) after a draft accepted whole,
+  else becomes the accepted part + 1; so a long draft is only checked once shorter ones passed;
 - pauses: when its acceptance rate over recent drafts (each draft's accepted fraction, in an
   average that halves an older draft's weight) falls below `MIN_ACCEPT_RATE`, it skips its next
   `backoff` decode steps' drafts, `backoff` doubling (to `MAX_BACKOFF`) each time a draft after
@@ -26,7 +27,7 @@ class DraftPace:
 
     def __init__(self, max_length: int) -> None:
         self.max_length = max_length
-        self.length = max_length  # the most tokens of its next draft
+        self.length = 1  # the most tokens of its next draft: earned by accepted drafts
         self.rate = 1.0  # accepted fraction of recent drafts
         self._backoff = 0  # the last pause's length (0: none since the rate was last met)
         self._paused = 0  # decode steps left without a draft
