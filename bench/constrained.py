@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import time
 from collections.abc import Sequence
@@ -29,7 +28,7 @@ from pathlib import Path
 import httpx
 
 from bench.corpus import QUESTIONS
-from bench.serving import emit_json, flush_cache, launch_server
+from bench.serving import emit_json, flush_cache, launch_server, metric_totals
 from radixserve.kernels import isa
 
 SCHEMA = {
@@ -44,8 +43,7 @@ METRICS = ("radixserve_grammar_compiles_total", "radixserve_grammar_cache_hits_t
 
 
 def _metrics(client: httpx.Client) -> dict[str, float]:
-    text = client.get("/metrics").text
-    return {name: float(re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M).group(1)) for name in METRICS}
+    return metric_totals(client.get("/metrics").text, METRICS)
 
 
 def run(url: str, requests: int, concurrency: int, max_tokens: int, constrained_share: float) -> dict[str, float]:

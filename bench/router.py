@@ -40,6 +40,7 @@ from bench.serving import (
     free_port,
     load_tokenizer,
     markdown_table,
+    metric_totals,
     parse_sizes,
     run_workload,
     warm_up,
@@ -167,8 +168,7 @@ def finished_requests(url: str) -> int:
     """Sequences a replica has finished (its /metrics counter, every finish reason): the
     difference over a run shows how the router split the load."""
     text = httpx.get(url + "/metrics", timeout=30).text
-    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith("radixserve_requests_finished_total{")))
+    return int(metric_totals(text, ["radixserve_requests_finished_total"])["radixserve_requests_finished_total"])
 
 
 if __name__ == "__main__":

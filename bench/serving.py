@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.workloads import WORKLOADS, Node, Workload, build
 
@@ -379,6 +380,20 @@ def warm_up(url: str, flush: bool = True) -> None:
         flush_cache(url)
 
 
+def metric_totals(metrics_text: str, names: Sequence[str]) -> dict[str, float]:
+    """Each named sample of a Prometheus /metrics text (`radixserve_..._total`, say), summed
+    over its labels; a name with no sample at all is a KeyError naming it."""
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.name in names:
+                totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    missing = [name for name in names if name not in totals]
+    if missing:
+        raise KeyError(f"/metrics has no sample named {', '.join(missing)}")
+    return totals
+
+
 SPEC_COUNTERS = ("radixserve_spec_draft_tokens_total", "radixserve_spec_accepted_tokens_total")
 
 
@@ -387,15 +402,11 @@ def spec_counters(url: str) -> tuple[float, float] | None:
     labels; None where /metrics cannot be read (an API key, another server)."""
     try:
         resp = httpx.get(url + "/metrics", timeout=30)
-    except httpx.HTTPError:
+        if resp.status_code != 200:
+            return None
+        totals = metric_totals(resp.text, SPEC_COUNTERS)
+    except (httpx.HTTPError, KeyError):
         return None
-    if resp.status_code != 200:
-        return None
-    totals = dict.fromkeys(SPEC_COUNTERS, 0.0)
-    for line in resp.text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in totals:
-            totals[name] += float(line.rsplit(" ", 1)[1])
     return totals[SPEC_COUNTERS[0]], totals[SPEC_COUNTERS[1]]
 
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import httpx
 
-from bench.serving import emit_json, launch_server
+from bench.serving import emit_json, launch_server, metric_totals
 
 WARM_UP_S = 60.0  # a process's memory counts from this long after it (or the run) started
 MEMORY_TOLERANCE = 0.10
@@ -171,16 +171,14 @@ async def soak(url: str, args: argparse.Namespace) -> dict[str, Any]:
         metrics = (await client.get(url + "/metrics")).text
     growth = memory_growth(memory)
 
-    def metric(name: str) -> float:
-        return next(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith((name + " ", name + "{")))
-
+    recovery = metric_totals(metrics, ["radixserve_engine_restarts_total", "radixserve_requests_recovered_total"])
     pages = info["pages"]
     return {
         "clients": args.clients, "duration_s": round(elapsed, 1), "requests": sum(tally.statuses.values()),
         "outcomes": dict(tally.outcomes), "statuses": {str(k): v for k, v in tally.statuses.items()},
         "lost_examples": tally.lost, "kills": kills,
-        "engine_restarts_total": metric("radixserve_engine_restarts_total"),
-        "requests_recovered_total": metric("radixserve_requests_recovered_total"),
+        "engine_restarts_total": recovery["radixserve_engine_restarts_total"],
+        "requests_recovered_total": recovery["radixserve_requests_recovered_total"],
         "pages_at_end": pages,
         "pages_balanced": pages["in_use"] == 0 and pages["free"] + pages["cached"] == pages["total"],
         "memory_growth_after_warm_up": growth,
