@@ -474,7 +474,7 @@ def test_draft_pace_grows_from_one_token_backs_off_while_drafts_fail_and_resumes
 
     pace = DraftPace(4)
     assert pace.allow() == 1  # a first draft is one token: its check is cheap
-    pace.record(1, 1)  # accepted whole: the length doubles, to the cap
+    pace.record(1, 1)  # accepted whole: the length doubles (to the cap, 4)
     assert pace.allow() == 2
     pace.record(2, 2)
     assert pace.allow() == 4

@@ -361,7 +361,7 @@ def linear_serves(dtype: torch.dtype, in_features: int) -> bool:
 def pack_linear(weight: torch.Tensor) -> torch.Tensor:
     """nn.Linear's weight [N, K] -> the panels `linear` reads, as 32-bit words, P = the panel
     width, zero past N: fp32 [ceil(N / P), K, P]; bf16 [ceil(N / P), K / 2, P] int32, each word
-    the pair W[n, 2k], W[n, 2k + 1]. Only call after `linear_serves` said yes."""
+    the pair W[n, 2k], W[n, 2k + 1]. Only call after `linear_builds` said yes."""
     lib = load_library()
     assert lib is not None and weight.dim() == 2
     width = lib.linear_panel_width()

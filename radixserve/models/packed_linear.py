@@ -59,8 +59,9 @@ class OneDNNLinear(PackedLinear):
 
 
 class PanelLinear(PackedLinear):
-    """fp32, and bf16 below the AMX tier: column panels for radixserve's CPU kernel. Outputs
-    are in the weight's dtype, or fp32 with `out_dtype` (bf16 inputs' sums unrounded)."""
+    """fp32, bf16 below the AMX tier, and a bf16 LM head on every tier that builds bf16: column
+    panels for radixserve's CPU kernel. Outputs are in the weight's dtype, or fp32 with
+    `out_dtype` (bf16 inputs' sums unrounded)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None) -> None:
         super().__init__(weight, bias)
