@@ -86,6 +86,25 @@ def test_panel_linear_matches_f_linear(rows, in_features, out_features, bias, dt
 
 
 @needs_kernels
+@DTYPES
+@pytest.mark.parametrize("rows", [6, 13, 17, 24, 241])  # a few tiles per panel, and enough for bf16 to widen it once; row chunks
+@pytest.mark.parametrize("out_fp32", [False, True], ids=["out-input-dtype", "out-fp32"])
+def test_a_rows_outputs_do_not_depend_on_the_rows_beside_it(rows, dtype, out_fp32, cpu_tier):
+    """Each row is the same numbers computed alone or among many (a checked draft's rows are
+    then what plain decoding computes, one token at a time): however the kernel groups rows
+    into tiles, and where it widens a bf16 panel to fp32 once for all its tiles, every output
+    is one dot product in k order."""
+    _skip_unless_built_for(dtype)
+    if out_fp32 and dtype != torch.bfloat16:
+        pytest.skip("fp32 outputs of fp32 inputs are the default")
+    x, weight, b = _problem(rows, 576, 1100, True, dtype, seed=rows)  # panels enough not to split
+    layer = PanelLinear(weight, b, out_dtype=torch.float32 if out_fp32 else None)
+    together = layer(x)
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(rows)])
+    assert torch.equal(together, alone)
+
+
+@needs_kernels
 @pytest.mark.parametrize("rows", [1, 5, 13])
 @pytest.mark.parametrize(("in_features", "out_features"), [(576, 130), (64, 77), (34, 5)])
 def test_bf16_inputs_with_fp32_outputs_are_the_sums_unrounded(rows, in_features, out_features, cpu_tier):

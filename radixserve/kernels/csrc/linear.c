@@ -20,8 +20,8 @@
  * bf16 multiplies pairs: with AVX-512 BF16 by its dot product (vdpbf16ps), the layout oneDNN
  * uses on CPUs without AMX, whose kernels spend more of their time on each small decode matmul
  * than this streaming loop; with AVX-512F or AVX2 alone by widening both halves of each pair
- * to fp32 (a bf16 is the top half of an fp32) and two FMAs, first element first. The portable
- * build serves fp32 only.
+ * to fp32 (a bf16 is the top half of an fp32) and two FMAs, first element first, in the tile
+ * or, for many rows, once per panel (WIDENS_BF16 below). The portable build serves fp32 only.
  *
  * Every output is one fp32 dot product summed in k order (bf16: in pairs), the bias added
  * last, bf16 rounded once; MKL and oneDNN sum in other orders, so results differ from
@@ -33,6 +33,7 @@
  *   y [M, N] contiguous, of the output dtype (the input's, or fp32)
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include <omp.h>
@@ -210,6 +211,21 @@ static inline __attribute__((always_inline)) void tile_avx2(
 #define SIMD_TILE tile_avx2
 #endif
 
+/* Without a bf16 pair dot product (AVX2, AVX-512F) a bf16 tile widens each panel word it
+ * reads, and a panel met by several tiles (many rows: a prefill chunk, a checked draft) is
+ * widened once per tile. There the panel is widened once into an fp32 copy in L2
+ * (widened_panel) and the rows once into fp32 (widened_rows), and the fp32 tile runs over both:
+ * the same FMAs in the same order (pair element 2k, then 2k + 1), so the same sums, with
+ * fewer instructions per FMA. A copy larger than WIDEN_MAX_BYTES would not stay in L2; a panel
+ * met by fewer than WIDEN_MIN_TILES tiles (a decode step, a short draft) is read as it is. */
+#if defined(SIMD_TILE) && !defined(__AVX512BF16__)
+#define WIDENS_BF16 1
+#else
+#define WIDENS_BF16 0
+#endif
+#define WIDEN_MAX_BYTES (1 << 20)
+#define WIDEN_MIN_TILES 4
+
 #ifdef SIMD_TILE
 /* One specialised copy per row count, dtype and output dtype: the tile's loops fully unrolled. */
 static inline __attribute__((always_inline)) void tile_for(
@@ -236,6 +252,10 @@ static void tile(const void *x, int64_t x_stride, const uint32_t *panel, int64_t
         tile_for(x, x_stride, panel, words, bias, y, N, columns_left, prefetch, lines, m, DTYPE_BFLOAT16, DTYPE_BFLOAT16);
     else if (dtype == DTYPE_BFLOAT16)
         tile_for(x, x_stride, panel, words, bias, y, N, columns_left, prefetch, lines, m, DTYPE_BFLOAT16, DTYPE_FLOAT32);
+#if WIDENS_BF16
+    else if (out_dtype == DTYPE_BFLOAT16) /* a widened bf16 layer's tiles (widened_panel) */
+        tile_for(x, x_stride, panel, words, bias, y, N, columns_left, prefetch, lines, m, DTYPE_FLOAT32, DTYPE_BFLOAT16);
+#endif
     else
         tile_for(x, x_stride, panel, words, bias, y, N, columns_left, prefetch, lines, m, DTYPE_FLOAT32, DTYPE_FLOAT32);
 }
@@ -264,12 +284,59 @@ static void tile(const void *x_, int64_t x_stride, const uint32_t *panel_, int64
 }
 #endif
 
+#if WIDENS_BF16
+/* The calling thread's buffer of at least `bytes` (64-byte aligned), kept between calls: a
+ * fresh multi-hundred-KB block per layer would be mmapped and page-faulted each time. */
+static uint32_t *thread_buffer(size_t bytes) {
+    static _Thread_local uint32_t *buffer = NULL;
+    static _Thread_local size_t capacity = 0;
+    if (bytes > capacity) {
+        free(buffer);
+        capacity = (bytes + 63) / 64 * 64;
+        buffer = aligned_alloc(64, capacity);
+        if (buffer == NULL) capacity = 0;
+    }
+    return buffer;
+}
+
+/* A bf16 panel [words, PANEL] of pairs as an fp32 panel [2 * words, PANEL]: row 2k holds the
+ * pairs' first elements, row 2k + 1 their second (a bf16 is the top half of an fp32). */
+static void widened_panel(const uint32_t *panel, int64_t words, uint32_t *wide) {
+    for (int64_t k = 0; k < words; k++) {
+        const uint32_t *src = panel + k * PANEL;
+        uint32_t *lo = wide + 2 * k * PANEL, *hi = lo + PANEL;
+#pragma omp simd
+        for (int c = 0; c < PANEL; c++) {
+            lo[c] = src[c] << 16;
+            hi[c] = src[c] & 0xFFFF0000u;
+        }
+    }
+}
+
+/* Rows [r0, r1) of bf16 x as fp32 rows of K, into wide (row r at (r - r0) * K). */
+static void widened_rows(const uint16_t *x, int64_t x_stride, int64_t r0, int64_t r1, int64_t K, uint32_t *wide) {
+#pragma omp for schedule(static)
+    for (int64_t r = r0; r < r1; r++) {
+        const uint16_t *src = x + r * x_stride;
+        uint32_t *dst = wide + (r - r0) * K;
+#pragma omp simd
+        for (int64_t k = 0; k < K; k++) dst[k] = (uint32_t)src[k] << 16;
+    }
+}
+#endif
+
 /* Only call for a dtype `linear_serves`; bf16 needs an even K. out_dtype is dtype or fp32. */
 void linear(const void *x, int64_t x_row_stride, const uint32_t *panels, const void *bias, void *y,
             int64_t M, int64_t K, int64_t N, int dtype, int out_dtype, int num_threads) {
     const int64_t elem = element_size(dtype), out_elem = element_size(out_dtype), words = K * elem / 4;
     const int64_t num_panels = (N + PANEL - 1) / PANEL;
     const int64_t panel_lines = words * PANEL * 4 / 64;
+#if WIDENS_BF16
+    /* the widened rows of a row chunk, shared by the threads (widened_rows) */
+    const int may_widen = dtype == DTYPE_BFLOAT16 && M >= WIDEN_MIN_TILES * TILE_ROWS &&
+                          (int64_t)sizeof(float) * K * PANEL <= WIDEN_MAX_BYTES;
+    uint32_t *wide_rows = may_widen ? malloc(sizeof(float) * K * (M < ROW_CHUNK ? M : ROW_CHUNK)) : NULL;
+#endif
 #pragma omp parallel num_threads(num_threads) if (M * K * N >= 1 << 18)
     for (int64_t r0 = 0; r0 < M; r0 += ROW_CHUNK) {
         const int64_t r1 = r0 + ROW_CHUNK < M ? r0 + ROW_CHUNK : M;
@@ -280,6 +347,16 @@ void linear(const void *x, int64_t x_row_stride, const uint32_t *panels, const v
         const int64_t wanted = 8 * (int64_t)omp_get_num_threads();
         int64_t shares = num_panels >= wanted ? 1 : (wanted + num_panels - 1) / num_panels;
         if (shares > tiles) shares = tiles;
+#if WIDENS_BF16
+        /* widened where every item's panel meets at least WIDEN_MIN_TILES full tiles (the same
+         * for all threads): with fewer, the copy costs about what it saves */
+        uint32_t *wide_panel = NULL;
+        const int widen = wide_rows != NULL && (r1 - r0) / shares >= WIDEN_MIN_TILES * TILE_ROWS;
+        if (widen) {
+            widened_rows((const uint16_t *)x, x_row_stride, r0, r1, K, wide_rows); /* ends in a barrier */
+            wide_panel = thread_buffer(sizeof(float) * K * PANEL);
+        }
+#endif
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < num_panels * shares; item++) {
             const int64_t p = item / shares, share = item % shares;
@@ -288,19 +365,41 @@ void linear(const void *x, int64_t x_row_stride, const uint32_t *panels, const v
             /* this item's tiles prefetch the next panel into L2 between them, each its part
              * of the cache lines spread over its steps */
             const int64_t lines_per_tile = (panel_lines + (t1 - t0) - 1) / (t1 - t0);
+            /* the tiles' operands: x and the panel as given, or widened to fp32 */
+            const void *rows_x = (const char *)x + r0 * x_row_stride * elem;
+            const void *panel_bias = bias == NULL ? NULL : (const char *)bias + p * PANEL * elem;
+            const uint32_t *tile_panel = panel;
+            int64_t rows_stride = x_row_stride, tile_words = words;
+            int tile_dtype = dtype;
+#if WIDENS_BF16
+            float wide_bias[PANEL];
+            if (widen && wide_panel != NULL) {
+                widened_panel(panel, words, wide_panel);
+                if (bias != NULL) {
+                    const int64_t width = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
+                    for (int64_t c = 0; c < PANEL; c++)
+                        wide_bias[c] = c < width ? bf16_to_float(((const uint16_t *)panel_bias)[c]) : 0.0f;
+                    panel_bias = wide_bias;
+                }
+                rows_x = wide_rows, rows_stride = K, tile_panel = wide_panel, tile_words = K, tile_dtype = DTYPE_FLOAT32;
+            }
+#endif
+            const int64_t tile_elem = element_size(tile_dtype);
             for (int64_t t = t0; t < t1; t++) {
-                const int64_t row = r0 + t * TILE_ROWS;
-                const int rows = r1 - row < TILE_ROWS ? (int)(r1 - row) : TILE_ROWS;
+                const int64_t row = t * TILE_ROWS; /* in the chunk */
+                const int rows = r1 - r0 - row < TILE_ROWS ? (int)(r1 - r0 - row) : TILE_ROWS;
                 const int64_t first = (t - t0) * lines_per_tile;
                 const int64_t count = p + 1 == num_panels || first >= panel_lines ? 0
                                       : first + lines_per_tile > panel_lines ? panel_lines - first
                                       : lines_per_tile;
                 const char *prefetch = (const char *)(panel + words * PANEL) + 64 * first;
-                tile((const char *)x + row * x_row_stride * elem, x_row_stride, panel, words,
-                     bias == NULL ? NULL : (const char *)bias + p * PANEL * elem,
-                     (char *)y + (row * N + p * PANEL) * out_elem, N, N - p * PANEL, prefetch, count, rows, dtype,
-                     out_dtype);
+                tile((const char *)rows_x + row * rows_stride * tile_elem, rows_stride, tile_panel, tile_words, panel_bias,
+                     (char *)y + ((r0 + row) * N + p * PANEL) * out_elem, N, N - p * PANEL, prefetch, count, rows,
+                     tile_dtype, out_dtype);
             }
         }
     }
+#if WIDENS_BF16
+    free(wide_rows);
+#endif
 }
