@@ -9,7 +9,8 @@ import torch
 
 from radixserve.kernels.cpu import load_library
 from radixserve.models.loader import load_model
-from radixserve.worker.attention.torch_native import TorchNativeBackend
+from radixserve.models.packed_linear import OneDNNLinear, PanelLinear
+from radixserve.worker.attention.torch_native import SHORT_EXTEND, TorchNativeBackend
 from radixserve.worker.kv_pool import KVPool
 from radixserve.worker.model_runner import ModelRunner, SequenceChunk
 from radixserve.worker.page_table import PageTable
@@ -21,12 +22,13 @@ class Harness:
     """A runner over a shuffled page pool, so requests never get contiguous pages."""
 
     def __init__(
-        self, model_dir, page_size: int, num_pages: int = 512, seed: int = 0, cpu_kernel: bool = True
+        self, model_dir, page_size: int, num_pages: int = 512, seed: int = 0, cpu_kernel: bool = True,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
-        loaded = load_model(str(model_dir), dtype=torch.float32)
+        loaded = load_model(str(model_dir), dtype=dtype)
         self.model = loaded.model
         shape = self.model.attention_shape()
-        self.pool = KVPool(loaded.config.num_layers, num_pages, page_size, shape.num_kv_heads, shape.head_dim, torch.float32)
+        self.pool = KVPool(loaded.config.num_layers, num_pages, page_size, shape.num_kv_heads, shape.head_dim, dtype)
         self.table = PageTable(8, num_pages)
         self.runner = ModelRunner(self.model, self.table, TorchNativeBackend(self.pool, shape, cpu_kernel))
         self.free = list(range(num_pages))
@@ -70,10 +72,34 @@ def test_chunking_and_cached_prefix_give_same_logits(tiny_model_dirs, page_size,
     one_shot = h.run_chunks(0, tokens, [45])
     hf = _hf_logits(tiny_model_dirs["llama_gqa_tied"], tokens)
     assert (one_shot - hf).abs().max() < ATOL
-    # [40, 2, 2, 1]: short extends over a cached prefix, as a checked draft is (decode rows on the kernel)
-    for row, sizes in enumerate([[1] * 45, [7, 7, 7, 7, 7, 10], [16, 16, 13], [44, 1], [40, 2, 2, 1]], start=1):
+    # [7, ..., 10], [40, 2, 2, 1]: short extends over a cached prefix, as a checked draft is (decode
+    # rows on the kernel); [20, 25]: past SHORT_EXTEND, the prefill kernel over a cached prefix
+    for row, sizes in enumerate([[1] * 45, [7, 7, 7, 7, 7, 10], [20, 25], [44, 1], [40, 2, 2, 1]], start=1):
         chunked = h.run_chunks(row, tokens, sizes)
         assert (chunked - one_shot).abs().max() < ATOL, sizes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_a_checked_draft_computes_what_decoding_token_by_token_does(tiny_model_dirs, page_size, dtype):
+    """On the CPU kernels, a short extend over a cached prefix (a draft being checked) gives bit
+    for bit the logits of its tokens decoded one step at a time: its rows are decode rows, and
+    the panel linears sum each row alone. So speculation keeps plain decoding's tokens, bf16
+    included (where torch's matmuls serve instead, only to rounding)."""
+    h = Harness(tiny_model_dirs["llama_gqa_tied"], page_size, dtype=dtype)
+    linears = _linears(h.model)
+    assert linears
+    if not (h.runner.backend.uses_cpu_kernel and all(isinstance(m, PanelLinear) for m in linears)):
+        pytest.skip("needs the CPU attention kernels and the panel linears for this dtype")
+    tokens = _tokens(40 + SHORT_EXTEND, h.model.config.vocab_size, 3)
+    stepwise = h.run_chunks(0, tokens, [40] + [1] * SHORT_EXTEND)[40:]
+    for row, sizes in enumerate([[40, SHORT_EXTEND], [40, 3, SHORT_EXTEND - 3]], start=1):
+        assert torch.equal(h.run_chunks(row, tokens, sizes)[40:], stepwise), sizes
+
+
+def _linears(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's linear layers (packed or not), the LM head included."""
+    return [m for m in model.modules() if isinstance(m, torch.nn.Linear | PanelLinear | OneDNNLinear)]
 
 
 @pytest.mark.parametrize("page_size", [1, 16])

@@ -20,10 +20,13 @@ from radixserve.worker.attention.base import AttentionBackend, AttentionBatch, A
 from radixserve.worker.kv_pool import KVPool
 
 # On the CPU kernels an extend of at most this many tokens is attended as that many decode rows,
-# each reading its context in place: the prefill kernel repacks the whole context per call,
-# which costs more than a decode row's read, but less than three (a one-token draft being
-# checked is two tokens over a long context).
-SHORT_EXTEND = 2
+# each reading its context in place. A checked draft (up to --speculative-num-draft-tokens + 1
+# tokens over a long context) is one: its rows are then attended exactly as plain decoding
+# attends them one step at a time, so with the panel linears (the same sums whatever rows are
+# computed together) speculation gives plain decoding's tokens in bf16 too. The prefill kernel
+# repacks the whole context per call, which a few decode rows' reads undercut; past a dozen or
+# so rows it is the cheaper one (docs/benchmarks.md).
+SHORT_EXTEND = 16
 
 
 class TorchNativeBackend(AttentionBackend):
