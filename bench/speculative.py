@@ -25,6 +25,7 @@ from pydoc_data.topics import topics
 from typing import Any
 
 from bench.serving import emit_json
+from radixserve.config import ServerConfig
 
 FRESH = ["Write a short poem about autumn leaves.", "Explain why the sky is blue.",
          "List three uses of a paperclip.", "Describe a cat to someone who has never seen one."]
@@ -69,7 +70,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", default="default")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--draft-tokens", type=int, default=4)
+    parser.add_argument("--draft-tokens", type=int, default=ServerConfig.speculative_num_draft_tokens,
+                        help="--speculative-num-draft-tokens (default: the server's)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/speculative.json"))
     args = parser.parse_args(argv)
     quotes = quote_prompts(4)
