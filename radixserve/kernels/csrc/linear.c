@@ -212,8 +212,8 @@ static inline __attribute__((always_inline)) void tile_avx2(
 #endif
 
 /* Without a bf16 pair dot product (AVX2, AVX-512F) a bf16 tile widens each panel word it
- * reads, and a panel met by several tiles (many rows: a prefill chunk, a checked draft) is
- * widened once per tile. There the panel is widened once into an fp32 copy in L2
+ * reads, and a panel met by several tiles (many rows: a prefill chunk) is widened once per
+ * tile. There the panel is widened once into an fp32 copy in L2
  * (widened_panel) and the rows once into fp32 (widened_rows), and the fp32 tile runs over both:
  * the same FMAs in the same order (pair element 2k, then 2k + 1), so the same sums, with
  * fewer instructions per FMA. A copy larger than WIDEN_MAX_BYTES would not stay in L2; a panel
