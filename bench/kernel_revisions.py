@@ -10,7 +10,7 @@ two revisions must agree on the packed layout (`linear_panel_width`); the larges
 between their logits is printed beside each case (0 where a change keeps the same sums).
 
 Cases: prefills of 64, 700 and 1,536 tokens; over 700 tokens of context, a decode step and
-checks of drafts of 2, 8 and 16 tokens (3, 9 and 17 rows, all logits).
+checks of drafts of 2, 4, 8 and 16 tokens (3, 5, 9 and 17 rows, all logits).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def cases(ours: Ours) -> list[tuple[str, Callable[[], torch.Tensor]]]:
     for n in (64, 700, 1536):
         out.append((f"prefill {n} tokens", lambda n=n: ours.runner.forward([SequenceChunk(0, 0, prompt[:n])]).last_logits))
     ours.runner.forward([SequenceChunk(1, 0, prompt[:CONTEXT])])  # row 1's context, stored once
-    for rows in (1, 3, 9, 17):
+    for rows in (1, 3, 5, 9, 17):
         name = "decode step" if rows == 1 else f"draft of {rows - 1} checked"
         out.append((f"{name}, {CONTEXT} context", lambda rows=rows: torch.cat(
             ours.runner.forward([SequenceChunk(1, CONTEXT, prompt[CONTEXT : CONTEXT + rows], all_logits=True)]).all_logits)))

@@ -87,13 +87,15 @@ def test_panel_linear_matches_f_linear(rows, in_features, out_features, bias, dt
 
 @needs_kernels
 @DTYPES
-@pytest.mark.parametrize("rows", [6, 13, 17, 24, 241])  # a few tiles per panel, and enough for bf16 to widen it once; row chunks
+# bf16 on AVX2: tall tiles of 4 to 6 rows, split evenly (9: 4 + 5, 11: 5 + 6); from 12 rows
+# (AVX-512F: 24) a panel widened once; row chunks
+@pytest.mark.parametrize("rows", [4, 6, 9, 11, 13, 17, 24, 241])
 @pytest.mark.parametrize("out_fp32", [False, True], ids=["out-input-dtype", "out-fp32"])
 def test_a_rows_outputs_do_not_depend_on_the_rows_beside_it(rows, dtype, out_fp32, cpu_tier):
     """Each row is the same numbers computed alone or among many (a checked draft's rows are
     then what plain decoding computes, one token at a time): however the kernel groups rows
-    into tiles, and where it widens a bf16 panel to fp32 once for all its tiles, every output
-    is one dot product in k order."""
+    into tiles (tall ones for a checked draft's rows on AVX2), and where it widens a bf16
+    panel to fp32 once for all its tiles, every output is one dot product in k order."""
     _skip_unless_built_for(dtype)
     if out_fp32 and dtype != torch.bfloat16:
         pytest.skip("fp32 outputs of fp32 inputs are the default")

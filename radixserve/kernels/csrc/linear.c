@@ -21,7 +21,9 @@
  * uses on CPUs without AMX, whose kernels spend more of their time on each small decode matmul
  * than this streaming loop; with AVX-512F or AVX2 alone by widening both halves of each pair
  * to fp32 (a bf16 is the top half of an fp32) and two FMAs, first element first, in the tile
- * or, for many rows, once per panel (WIDENS_BF16 below). The portable build serves fp32 only.
+ * or, for many rows, once per panel (WIDENS_BF16 below); on AVX2, 4 to 11 rows (a checked
+ * draft, a small decode batch) take taller tiles over the rows widened once (tall_sums_avx2).
+ * The portable build serves fp32 only.
  *
  * Every output is one fp32 dot product summed in k order (bf16: in pairs), the bias added
  * last, bf16 rounded once; MKL and oneDNN sum in other orders, so results differ from
@@ -145,14 +147,37 @@ static inline __attribute__((always_inline)) void tile_avx512(
 }
 #define SIMD_TILE tile_avx512
 #elif defined(__AVX2__) && defined(__FMA__)
+/* Column vector j of a tile's bias (8 values from bias + 8j, bf16 or fp32 as bf16 says), of
+ * which `left` (< 8: the last panel's tail) lie before N; zero without a bias. */
+static inline __attribute__((always_inline)) __m256 tile_bias_avx2(const void *bias, int j, int64_t left, const int bf16) {
+    if (bias == NULL) return _mm256_setzero_ps();
+    const int64_t elem = bf16 ? 2 : 4;
+    const char *src = (const char *)bias + 8 * j * elem;
+    /* past N through a buffer: AVX2 has no masked 16-bit loads or stores */
+    char part[32] = {0};
+    if (left < 8) src = memcpy(part, src, left * elem);
+    return avx2_load(src, bf16);
+}
+
+/* A tile's sum plus its bias, stored at dst in dtype OT, `left` values of it if under 8. */
+static inline __attribute__((always_inline)) void tile_store_avx2(char *dst, __m256 sum, int64_t left, const int OT) {
+    if (left >= 8) {
+        avx2_store(dst, sum, OT == DTYPE_BFLOAT16);
+    } else {
+        char part[32];
+        avx2_store(part, sum, OT == DTYPE_BFLOAT16);
+        memcpy(dst, part, left * element_size(OT));
+    }
+}
+
 /* As tile_avx512, in 8-lane vectors. */
 static inline __attribute__((always_inline)) void tile_avx2(
     const void *x, int64_t x_stride, const uint32_t *panel, int64_t words, const void *bias, void *y,
     int64_t N, int64_t columns_left, const char *prefetch, int64_t prefetch_lines, const int m, const int DT,
     const int OT) {
     enum { VECS = PANEL / 8 };
-    const int bf16 = DT == DTYPE_BFLOAT16, bf16_out = OT == DTYPE_BFLOAT16;
-    const int64_t elem = element_size(DT), out_elem = element_size(OT);
+    const int bf16 = DT == DTYPE_BFLOAT16;
+    const int64_t elem = element_size(DT);
     __m256 acc[TILE_ROWS][VECS];
     for (int i = 0; i < m; i++)
         for (int j = 0; j < VECS; j++) acc[i][j] = _mm256_setzero_ps();
@@ -187,28 +212,95 @@ static inline __attribute__((always_inline)) void tile_avx2(
     for (int j = 0; j < VECS; j++) {
         const int64_t left = columns_left - 8 * j;
         if (left <= 0) break;
-        /* past N (the last panel's tail) through a buffer: AVX2 has no masked 16-bit loads or
-         * stores */
-        char part[32] = {0};
-        __m256 b = _mm256_setzero_ps();
-        if (bias != NULL) {
-            const char *src = (const char *)bias + 8 * j * elem;
-            if (left < 8) src = memcpy(part, src, left * elem);
-            b = avx2_load(src, bf16);
-        }
-        for (int i = 0; i < m; i++) {
-            const __m256 sum = bias != NULL ? _mm256_add_ps(acc[i][j], b) : acc[i][j];
-            char *dst = (char *)y + (i * N + 8 * j) * out_elem;
-            if (left >= 8) {
-                avx2_store(dst, sum, bf16_out);
-            } else {
-                avx2_store(part, sum, bf16_out);
-                memcpy(dst, part, left * out_elem);
-            }
-        }
+        const __m256 b = tile_bias_avx2(bias, j, left, bf16);
+        for (int i = 0; i < m; i++)
+            tile_store_avx2((char *)y + (i * N + 8 * j) * element_size(OT), _mm256_add_ps(acc[i][j], b), left, OT);
     }
 }
 #define SIMD_TILE tile_avx2
+
+/* A tall bf16 tile for AVX2: up to TALL_ROWS rows times half a panel (TALL_COLUMNS columns, two
+ * vectors), x given widened to fp32 (widened_rows). tile_avx2's 3 rows broadcast each x word
+ * through a general register and widen 4 panel vectors per 12 FMAs; here each broadcast is one
+ * load and 2 widened vectors feed 12 FMAs, so the FMA units, not the shuffles, set the pace.
+ * The sums are tile_avx2's: pair element 2k, then 2k + 1, for every k in order, so a row's
+ * outputs do not depend on the tile it is in. Registers: 12 sums, 2 panel vectors, a broadcast
+ * and (under 6 rows) the high half's mask. */
+#define TALL_ROWS 6
+#define TALL_COLUMNS 16
+#define TALL_MIN_ROWS 4
+static inline __attribute__((always_inline)) void tall_sums_avx2(
+    const float *x, int64_t x_stride, const uint32_t *panel, int64_t words, const char *prefetch,
+    int64_t prefetch_lines, const int m, float sums[][TALL_COLUMNS]) {
+    /* the sums as named variables, not an array: gcc keeps an array of 12 vectors in memory as
+     * well, storing it at every step */
+#define TALL_ROW(i) __m256 s##i##0 = _mm256_setzero_ps(), s##i##1 = _mm256_setzero_ps();
+    TALL_ROW(0) TALL_ROW(1) TALL_ROW(2) TALL_ROW(3) TALL_ROW(4) TALL_ROW(5)
+#undef TALL_ROW
+    int64_t due = 0;
+    for (int64_t k = 0; k < words; k++) {
+        for (due += prefetch_lines; due >= words; due -= words, prefetch += 64) _mm_prefetch(prefetch, _MM_HINT_T1);
+        const __m256i *row = (const __m256i *)(panel + k * PANEL);
+        const float *xk = x + 2 * k;
+        for (int half = 0; half < 2; half++) {
+            const __m256i p0 = _mm256_loadu_si256(row), p1 = _mm256_loadu_si256(row + 1);
+            /* second elements: masked, or at 6 rows, where the mask would take the 16th
+             * register and spill sums, cleared by two shifts */
+#define HIGH(p) (m < 6 ? avx2_pair_high(p) : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(p, 16), 16)))
+            const __m256 w0 = half ? HIGH(p0) : avx2_pair_low(p0);
+            const __m256 w1 = half ? HIGH(p1) : avx2_pair_low(p1);
+#undef HIGH
+#define TALL_ROW(i)                                                           \
+            if (i < m) {                                                      \
+                const __m256 a = _mm256_broadcast_ss(xk + i * x_stride + half); \
+                s##i##0 = _mm256_fmadd_ps(a, w0, s##i##0);                    \
+                s##i##1 = _mm256_fmadd_ps(a, w1, s##i##1);                    \
+            }
+            TALL_ROW(0) TALL_ROW(1) TALL_ROW(2) TALL_ROW(3) TALL_ROW(4) TALL_ROW(5)
+#undef TALL_ROW
+        }
+    }
+#define TALL_ROW(i)                                      \
+    if (i < m) {                                         \
+        _mm256_storeu_ps(sums[i], s##i##0);              \
+        _mm256_storeu_ps(sums[i] + 8, s##i##1);          \
+    }
+    TALL_ROW(0) TALL_ROW(1) TALL_ROW(2) TALL_ROW(3) TALL_ROW(4) TALL_ROW(5)
+#undef TALL_ROW
+}
+
+/* tall_sums_avx2 for M rows, out of line: inlined into a function with memcpy calls (the
+ * epilogue's tails), which clobber every vector register, gcc saves the sums at every step */
+#define TALL_SUMS(M) \
+    static __attribute__((noinline)) void tall_sums_##M(const float *x, int64_t x_stride, const uint32_t *panel, \
+                                                        int64_t words, const char *prefetch, int64_t lines, \
+                                                        float sums[][TALL_COLUMNS]) { \
+        tall_sums_avx2(x, x_stride, panel, words, prefetch, lines, M, sums); \
+    }
+TALL_SUMS(3) TALL_SUMS(4) TALL_SUMS(5) TALL_SUMS(6)
+#undef TALL_SUMS
+
+/* m (3 to 6: TALL_MIN_ROWS or more rows spread evenly over tiles) rows of x, widened, times
+ * half a panel, into y: the sums, then the bias and the stores. */
+static void tall_tile(const float *x, int64_t x_stride, const uint32_t *panel, int64_t words, const uint16_t *bias,
+                      void *y, int64_t N, int64_t columns_left, const char *prefetch, int64_t lines, int m,
+                      int out_dtype) {
+    float sums[TALL_ROWS][TALL_COLUMNS];
+    switch (m) {
+    case 6: tall_sums_6(x, x_stride, panel, words, prefetch, lines, sums); break;
+    case 5: tall_sums_5(x, x_stride, panel, words, prefetch, lines, sums); break;
+    case 4: tall_sums_4(x, x_stride, panel, words, prefetch, lines, sums); break;
+    default: tall_sums_3(x, x_stride, panel, words, prefetch, lines, sums); break;
+    }
+    for (int j = 0; j < TALL_COLUMNS / 8; j++) {
+        const int64_t left = columns_left - 8 * j;
+        if (left <= 0) break;
+        const __m256 b = tile_bias_avx2(bias, j, left, 1);
+        for (int i = 0; i < m; i++)
+            tile_store_avx2((char *)y + (i * N + 8 * j) * element_size(out_dtype),
+                            _mm256_add_ps(_mm256_loadu_ps(sums[i] + 8 * j), b), left, out_dtype);
+    }
+}
 #endif
 
 /* Without a bf16 pair dot product (AVX2, AVX-512F) a bf16 tile widens each panel word it
@@ -259,6 +351,8 @@ static void tile(const void *x, int64_t x_stride, const uint32_t *panel, int64_t
     else
         tile_for(x, x_stride, panel, words, bias, y, N, columns_left, prefetch, lines, m, DTYPE_FLOAT32, DTYPE_FLOAT32);
 }
+
+
 #else
 /* The portable tile (fp32 only): the same sums in the same order, left to the compiler to
  * vectorise. */
@@ -335,12 +429,17 @@ void linear(const void *x, int64_t x_row_stride, const uint32_t *panels, const v
     /* the widened rows of a row chunk, shared by the threads (widened_rows) */
     const int may_widen = dtype == DTYPE_BFLOAT16 && M >= WIDEN_MIN_TILES * TILE_ROWS &&
                           (int64_t)sizeof(float) * K * PANEL <= WIDEN_MAX_BYTES;
-    uint32_t *wide_rows = may_widen ? malloc(sizeof(float) * K * (M < ROW_CHUNK ? M : ROW_CHUNK)) : NULL;
+#if defined(TALL_ROWS)
+    const int may_tall = dtype == DTYPE_BFLOAT16 && M >= TALL_MIN_ROWS;
+#else
+    const int may_tall = 0;
+#endif
+    uint32_t *wide_rows = may_widen || may_tall ? malloc(sizeof(float) * K * (M < ROW_CHUNK ? M : ROW_CHUNK)) : NULL;
 #endif
 #pragma omp parallel num_threads(num_threads) if (M * K * N >= 1 << 18)
     for (int64_t r0 = 0; r0 < M; r0 += ROW_CHUNK) {
         const int64_t r1 = r0 + ROW_CHUNK < M ? r0 + ROW_CHUNK : M;
-        const int64_t tiles = (r1 - r0 + TILE_ROWS - 1) / TILE_ROWS;
+        int64_t tiles = (r1 - r0 + TILE_ROWS - 1) / TILE_ROWS;
         /* Work items are (panel, share of its tiles), panel-major, so each thread streams a
          * run of panels; with few panels each is split into shares so the threads stay
          * evenly loaded (a split panel is read by two threads, the second from L3). */
@@ -351,11 +450,22 @@ void linear(const void *x, int64_t x_row_stride, const uint32_t *panels, const v
         /* widened where every item's panel meets at least WIDEN_MIN_TILES full tiles (the same
          * for all threads): with fewer, the copy costs about what it saves */
         uint32_t *wide_panel = NULL;
-        const int widen = wide_rows != NULL && (r1 - r0) / shares >= WIDEN_MIN_TILES * TILE_ROWS;
-        if (widen) {
+        const int widen = may_widen && wide_rows != NULL && (r1 - r0) / shares >= WIDEN_MIN_TILES * TILE_ROWS;
+#if defined(TALL_ROWS)
+        /* otherwise, from TALL_MIN_ROWS rows, tall tiles over the rows widened */
+        const int tall = may_tall && wide_rows != NULL && !widen && r1 - r0 >= TALL_MIN_ROWS;
+#else
+        const int tall = 0;
+#endif
+        if (widen || tall)
             widened_rows((const uint16_t *)x, x_row_stride, r0, r1, K, wide_rows); /* ends in a barrier */
-            wide_panel = thread_buffer(sizeof(float) * K * PANEL);
+        if (widen) wide_panel = thread_buffer(sizeof(float) * K * PANEL);
+#if defined(TALL_ROWS)
+        if (tall) {
+            tiles = (r1 - r0 + TALL_ROWS - 1) / TALL_ROWS;
+            if (shares > tiles) shares = tiles;
         }
+#endif
 #endif
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < num_panels * shares; item++) {
@@ -382,6 +492,28 @@ void linear(const void *x, int64_t x_row_stride, const uint32_t *panels, const v
                     panel_bias = wide_bias;
                 }
                 rows_x = wide_rows, rows_stride = K, tile_panel = wide_panel, tile_words = K, tile_dtype = DTYPE_FLOAT32;
+            }
+#endif
+#if defined(TALL_ROWS)
+            if (tall) {
+                /* each tall tile in two calls, a half panel each, which share the prefetching */
+                const int64_t calls = 2 * (t1 - t0), lines_per_call = (panel_lines + calls - 1) / calls;
+                for (int64_t call = 0; call < calls; call++) {
+                    /* the chunk's rows spread evenly over its tiles (9 rows: 4 + 5, not 6 + 3) */
+                    const int64_t t = t0 + call / 2, half = call % 2, row = (r1 - r0) * t / tiles;
+                    const int rows = (int)((r1 - r0) * (t + 1) / tiles - row);
+                    const int64_t first = call * lines_per_call;
+                    const int64_t count = p + 1 == num_panels || first >= panel_lines ? 0
+                                          : first + lines_per_call > panel_lines ? panel_lines - first
+                                          : lines_per_call;
+                    const int64_t column = p * PANEL + half * TALL_COLUMNS;
+                    if (column >= N) continue;
+                    tall_tile((const float *)wide_rows + row * K, K, panel + half * TALL_COLUMNS, words,
+                              bias == NULL ? NULL : (const uint16_t *)bias + column,
+                              (char *)y + ((r0 + row) * N + column) * out_elem, N, N - column,
+                              (const char *)(panel + words * PANEL) + 64 * first, count, rows, out_dtype);
+                }
+                continue;
             }
 #endif
             const int64_t tile_elem = element_size(tile_dtype);
