@@ -309,7 +309,8 @@ static void tall_tile(const float *x, int64_t x_stride, const uint32_t *panel, i
  * (widened_panel) and the rows once into fp32 (widened_rows), and the fp32 tile runs over both:
  * the same FMAs in the same order (pair element 2k, then 2k + 1), so the same sums, with
  * fewer instructions per FMA. A copy larger than WIDEN_MAX_BYTES would not stay in L2; a panel
- * met by fewer than WIDEN_MIN_TILES tiles (a decode step, a short draft) is read as it is. */
+ * met by fewer than WIDEN_MIN_TILES tiles (a decode step, a short draft) is read as it is, in
+ * tall tiles on AVX2 from TALL_MIN_ROWS rows. */
 #if defined(SIMD_TILE) && !defined(__AVX512BF16__)
 #define WIDENS_BF16 1
 #else
