@@ -352,8 +352,6 @@ static void tile(const void *x, int64_t x_stride, const uint32_t *panel, int64_t
     else
         tile_for(x, x_stride, panel, words, bias, y, N, columns_left, prefetch, lines, m, DTYPE_FLOAT32, DTYPE_FLOAT32);
 }
-
-
 #else
 /* The portable tile (fp32 only): the same sums in the same order, left to the compiler to
  * vectorise. */
@@ -419,6 +417,12 @@ static void widened_rows(const uint16_t *x, int64_t x_stride, int64_t r0, int64_
     }
 }
 #endif
+
+/* How many lines of the next panel (`total` lines) a tile call prefetches when its share starts
+ * at line `first` and is `per` lines long: none past the end, nor after the last panel. */
+static inline int64_t prefetch_count(int64_t first, int64_t per, int64_t total, int last_panel) {
+    return last_panel || first >= total ? 0 : first + per > total ? total - first : per;
+}
 
 /* Only call for a dtype `linear_serves`; bf16 needs an even K. out_dtype is dtype or fp32. */
 void linear(const void *x, int64_t x_row_stride, const uint32_t *panels, const void *bias, void *y,
@@ -504,9 +508,7 @@ void linear(const void *x, int64_t x_row_stride, const uint32_t *panels, const v
                     const int64_t t = t0 + call / 2, half = call % 2, row = (r1 - r0) * t / tiles;
                     const int rows = (int)((r1 - r0) * (t + 1) / tiles - row);
                     const int64_t first = call * lines_per_call;
-                    const int64_t count = p + 1 == num_panels || first >= panel_lines ? 0
-                                          : first + lines_per_call > panel_lines ? panel_lines - first
-                                          : lines_per_call;
+                    const int64_t count = prefetch_count(first, lines_per_call, panel_lines, p + 1 == num_panels);
                     const int64_t column = p * PANEL + half * TALL_COLUMNS;
                     if (column >= N) continue;
                     tall_tile((const float *)wide_rows + row * K, K, panel + half * TALL_COLUMNS, words,
@@ -522,9 +524,7 @@ void linear(const void *x, int64_t x_row_stride, const uint32_t *panels, const v
                 const int64_t row = t * TILE_ROWS; /* in the chunk */
                 const int rows = r1 - r0 - row < TILE_ROWS ? (int)(r1 - r0 - row) : TILE_ROWS;
                 const int64_t first = (t - t0) * lines_per_tile;
-                const int64_t count = p + 1 == num_panels || first >= panel_lines ? 0
-                                      : first + lines_per_tile > panel_lines ? panel_lines - first
-                                      : lines_per_tile;
+                const int64_t count = prefetch_count(first, lines_per_tile, panel_lines, p + 1 == num_panels);
                 const char *prefetch = (const char *)(panel + words * PANEL) + 64 * first;
                 tile((const char *)rows_x + row * rows_stride * tile_elem, rows_stride, tile_panel, tile_words, panel_bias,
                      (char *)y + ((r0 + row) * N + p * PANEL) * out_elem, N, N - p * PANEL, prefetch, count, rows,
