@@ -70,7 +70,7 @@ HELP = {
     "next tokens from the request's own prompt and output and checks them in one forward; outputs "
     "are the same as without it (off by default)",
     "speculative_num_draft_tokens": "the most draft tokens checked per step and request (a request's "
-    "drafts start at 1 token and double while accepted whole)",
+    "drafts start at 2 tokens and double while accepted whole)",
     "speculative_ngram_min_match_window_size": "shortest suffix of the sequence looked up for a draft",
     "speculative_ngram_max_match_window_size": "longest suffix of the sequence looked up for a draft",
     "speculative_max_batch_size": "no drafting while more sequences than this decode, or while prompts "

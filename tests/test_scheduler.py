@@ -464,36 +464,39 @@ def test_a_request_whose_drafts_are_always_rejected_pauses_longer_each_time():
     assert done["r", 0]["tokens"] == expected_tokens(prompt, 60)
     assert sched.counters.spec_accepted_tokens == 0
     drafting = [i for i, b in enumerate(worker.steps) if any(c.draft_len for c in b.chunks)]
-    assert [b - a for a, b in zip(drafting, drafting[1:])] == [1, 2, 3, 5, 9, 17]
-    assert sched.counters.spec_draft_tokens == 7  # 1 token each: no draft was ever accepted to grow it
+    assert [b - a for a, b in zip(drafting, drafting[1:])] == [1, 1, 1, 2, 3, 5, 9, 17]
+    assert sched.counters.spec_draft_tokens == 18  # 2 tokens each: no draft was ever accepted to grow it
     assert len(worker.steps) == 1 + 59  # the prefill, then one step per token
 
 
-def test_draft_pace_grows_from_one_token_backs_off_while_drafts_fail_and_resumes():
+def test_draft_pace_grows_from_two_tokens_backs_off_while_drafts_fail_and_resumes():
     from radixserve.scheduler.draft_pace import DraftPace
 
-    pace = DraftPace(4)
-    assert pace.allow() == 1  # a first draft is one token: its check is cheap
-    pace.record(1, 1)  # accepted whole: the length doubles (to the cap, 4)
-    assert pace.allow() == 2
-    pace.record(2, 2)
+    pace = DraftPace(8)
+    assert pace.allow() == 2  # a first draft is two tokens: its check is cheap
+    pace.record(2, 2)  # accepted whole: the length doubles (to the cap, 8)
     assert pace.allow() == 4
     pace.record(4, 4)
-    assert pace.allow() == 4
-    pace.record(4, 0)  # the rate halves to 0.5: still drafting, at length 1
-    assert pace.allow() == 1
-    pace.record(1, 0)  # 0.25: one step paused
-    assert [pace.allow() for _ in range(2)] == [0, 1]
-    pace.record(1, 0)  # again: two steps
-    assert [pace.allow() for _ in range(3)] == [0, 0, 1]
-    pace.record(1, 1)  # accepted: the rate is back up, no pause, and the length grows again
-    assert [pace.allow() for _ in range(2)] == [2, 2]
-    pace.record(2, 2)
-    assert pace.allow() == 4
+    assert pace.allow() == 8
+    pace.record(8, 8)
+    assert pace.allow() == 8
+    pace.record(8, 5)  # rejected after 5: the next draft is the accepted part + 1
+    assert pace.allow() == 6
+    pace.record(6, 0)  # rejected at once: two tokens, not one; the rate (0.41) still drafts
+    assert pace.allow() == 2
+    for _ in range(2):  # 0.2, 0.1: drafting on
+        pace.record(2, 0)
+        assert pace.allow() == 2
+    pace.record(2, 0)  # 0.05: one step paused
+    assert [pace.allow() for _ in range(2)] == [0, 2]
+    pace.record(2, 0)  # again: two steps
+    assert [pace.allow() for _ in range(3)] == [0, 0, 2]
+    pace.record(2, 2)  # accepted: the rate is back up, no pause, and the length grows again
+    assert [pace.allow() for _ in range(2)] == [4, 4]
     pace.record(4, 0)  # one rejection after a good run: no pause
-    assert pace.allow() == 1
+    assert pace.allow() == 2
     for _ in range(12):  # a long failing run: pauses double up to the cap
-        pace.record(1, 0)
+        pace.record(2, 0)
         paused = 0
         while not pace.allow():
             paused += 1

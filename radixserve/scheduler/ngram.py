@@ -4,7 +4,10 @@ A RAG answer that quotes its document, or an agent that repeats a key of a tool'
 spans that already stand in its prompt or output. The drafter finds the latest earlier place
 where the sequence's current suffix (its last n tokens, n from the longest window down) also
 occurs, and proposes the tokens that followed it there; the worker then checks them all in one
-forward (`Chunk.draft_len`).
+forward (`Chunk.draft_len`). Where those followers run up to the sequence's end, the draft reads
+on into itself: the suffix matched `period` tokens back, so the text is a loop of that period
+(an output repeating a line, a list, a JSON pattern) and the draft goes round it, instead of
+stopping at the end of one round and taking a step per round.
 
 The index maps every n-gram of the sequence (for each window size n) to the position right
 after its latest occurrence. It is updated as tokens arrive, one entry per window size per
@@ -45,7 +48,7 @@ class NgramDrafter:
         for n in range(min(self.max_window, end - 1), self.min_window - 1, -1):
             after = self._index.get(tuple(tokens[end - n :]))
             if after is not None:
-                return list(tokens[after : after + k])
+                return _followers(tokens, after, k)
         return []
 
     def _catch_up(self, tokens: Sequence[int]) -> None:
@@ -54,3 +57,11 @@ class NgramDrafter:
             for n in range(self.min_window, min(self.max_window, stop) + 1):
                 self._index[tuple(tokens[stop - n : stop])] = stop
         self._indexed = max(self._indexed, len(tokens))
+
+
+def _followers(tokens: Sequence[int], after: int, k: int) -> list[int]:
+    """The k tokens from position `after` on, read on into the draft itself past the end."""
+    period = len(tokens) - after
+    if k <= period:
+        return list(tokens[after : after + k])
+    return [tokens[after + j % period] for j in range(k)]
