@@ -10,8 +10,8 @@ Its pace follows its own record:
 
 - length: starts at `MIN_LENGTH`, doubles (to `--speculative-num-draft-tokens`) after a draft
   accepted whole, else becomes the accepted part + 1 but not under `MIN_LENGTH`; so a long draft
-  is only checked once shorter ones passed, and one rejection does not send a quoting answer
-  back to drafting a single token: its next span is as likely to be copied as the last;
+  is only checked once shorter ones passed, and a rejection (the end of one copied span) does
+  not send a quoting answer back to single tokens: its next span is often copied too;
 - pauses: when its acceptance rate over recent drafts (each draft's accepted fraction, in an
   average that halves an older draft's weight) falls below `MIN_ACCEPT_RATE`, it skips its next
   `backoff` decode steps' drafts, `backoff` doubling (to `MAX_BACKOFF`) each time a draft after
