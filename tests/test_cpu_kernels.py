@@ -84,6 +84,32 @@ def test_kernel_stores_the_new_token_then_attends_to_it(dtype, cpu_tier):
 
 
 @needs_compiler
+@pytest.mark.parametrize("rows", [3, 12], ids=["per-head-tasks", "per-request-tasks"])
+def test_rows_of_one_request_see_each_others_new_tokens(rows, cpu_tier):
+    """A checked draft is several rows of one request (one page table, lengths L+1 .. L+R):
+    each row attends to the new tokens of the rows before it, so every row's K/V must be stored
+    before any row attends. The rows come longest first here, so a kernel that stored each row's
+    K/V only as it reached that row would attend to stale slots."""
+    heads, kv_heads, dim, ps, prefix = 9, 3, 64, 16, 37
+    gen = torch.Generator().manual_seed(5)
+    pages = -(-(prefix + rows) // ps)
+    k_pool = torch.randn((pages + 2) * ps, kv_heads, dim, generator=gen).to(torch.bfloat16)
+    v_pool = torch.randn((pages + 2) * ps, kv_heads, dim, generator=gen).to(torch.bfloat16)
+    order = list(range(rows))[::-1]  # row j is the token at position prefix + order[j]
+    table = torch.randperm(pages + 2, generator=gen)[:pages].repeat(rows, 1)
+    lens = torch.tensor([prefix + i + 1 for i in order])
+    q = torch.randn(rows, heads, dim, generator=gen).to(torch.bfloat16)
+    k_new = torch.randn(rows, kv_heads, dim, generator=gen).to(torch.bfloat16)
+    v_new = torch.randn(rows, kv_heads, dim, generator=gen).to(torch.bfloat16)
+    got = cpu_kernel.paged_decode(q, k_pool, v_pool, table, lens, ps, 0.125, k_new=k_new, v_new=v_new)
+    stored_k, stored_v = k_pool.clone(), v_pool.clone()  # the kernel stored every new row
+    want = _reference(q, stored_k, stored_v, table, lens, ps, 0.125)
+    assert (got.float() - want).abs().max() < TOLERANCE[torch.bfloat16]
+    again = cpu_kernel.paged_decode(q, stored_k, stored_v, table, lens, ps, 0.125)  # all already stored
+    assert torch.equal(got, again)
+
+
+@needs_compiler
 def test_kernel_rejects_mismatched_inputs():
     q, k_pool, v_pool, table, lens = _problem(2, 4, 2, 64, 16, 20, torch.float32)
     with pytest.raises(ValueError, match="both"):

@@ -7,7 +7,9 @@
  * Layouts (all row-major, contiguous in the last two dims):
  *   q, out        [B, H, D]        q rows q_row_stride elements apart
  *   k_new, v_new  [B, Hkv, D]      the new token's K/V (rows k/v_row_stride apart), stored in
- *                                  its slot before attending; NULL when already stored
+ *                                  its slot, every row's before any row attends (a row may be
+ *                                  in another's context: the tokens of a checked draft are rows
+ *                                  of one request); NULL when already stored
  *   k_pool/v_pool [slots, Hkv, D]  slot = page * page_size + offset
  *   page_table    [B, pt_stride]   page ids of each request, in order
  *   seq_lens      [B]              context length of each request (the new token included)
@@ -430,7 +432,16 @@ static int head_group_fast(const Task *t, int64_t kvh, float *scores) {
 }
 #endif
 
-/* Request `task.b`, kv heads [kv0, kv1): store its new K/V, then attend. */
+/* Row b's new K and V (all kv heads) into the slot of its last position. */
+static void store_new(const Task *call, const int64_t *pages, int64_t page_size, int64_t seq_len, int64_t b) {
+    const size_t elem = element_size(call->dtype), bytes = call->Hkv * call->D * elem;
+    const int64_t slot = pages[(seq_len - 1) / page_size] * page_size + (seq_len - 1) % page_size;
+    const int64_t dst = slot * call->Hkv * call->D * elem;
+    memcpy((char *)call->k_pool + dst, (const char *)call->k_new + b * call->k_row_stride * elem, bytes);
+    memcpy((char *)call->v_pool + dst, (const char *)call->v_new + b * call->v_row_stride * elem, bytes);
+}
+
+/* Request `task.b`, kv heads [kv0, kv1): attend (its new K/V already stored). */
 static void attend(Task *task, const int64_t *pages, int64_t page_size, int64_t kv0, int64_t kv1,
                    int64_t *slots, float *scratch) {
     const int64_t L = task->seq_len, D = task->D, Hkv = task->Hkv;
@@ -439,14 +450,6 @@ static void attend(Task *task, const int64_t *pages, int64_t page_size, int64_t 
         for (int64_t i = start; i < start + page_size && i < L; i++) slots[i] = pages[page] * page_size + i - start;
     task->slots = slots;
     task->kv0 = kv0, task->kv1 = kv1;
-    if (task->k_new != NULL) {
-        const size_t elem = element_size(task->dtype), bytes = (kv1 - kv0) * D * elem;
-        const int64_t dst = (slots[L - 1] * Hkv + kv0) * D * elem, b = task->b;
-        memcpy((char *)task->k_pool + dst,
-               (const char *)task->k_new + (b * task->k_row_stride + kv0 * D) * elem, bytes);
-        memcpy((char *)task->v_pool + dst,
-               (const char *)task->v_new + (b * task->v_row_stride + kv0 * D) * elem, bytes);
-    }
     const int64_t G = task->H / Hkv;
     for (int64_t kvh = kv0; kvh < kv1; kvh++) {
         if (!head_group_fast(task, kvh, scratch + 2 * G * D)) head_group_portable(task, kvh, scratch);
@@ -479,6 +482,10 @@ int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_ne
         float *scratch = malloc(scratch_floats * sizeof(float));
         int64_t *slots = malloc(max_len * sizeof(int64_t));
         failed = scratch == NULL || slots == NULL;
+        if (k_new != NULL) {
+#pragma omp for
+            for (int64_t b = 0; b < B; b++) store_new(&call, page_table + b * pt_stride, page_size, seq_lens[b], b);
+        } /* the loop's barrier: every row's K/V is in place before any row attends */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t index = 0; index < B * tasks_per_request; index++) {
             if (failed) continue;

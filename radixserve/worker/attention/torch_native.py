@@ -53,9 +53,20 @@ class TorchNativeBackend(AttentionBackend):
         seq_lens = batch.seq_lens
         page_table = batch.page_table.to(device)
         self._all_decode = batch.is_decode
-        if self._all_decode and self.uses_cpu_kernel:  # the kernel finds every slot itself
-            self._decode_pages = page_table.contiguous()
-            self._decode_lens = torch.tensor(seq_lens, device=device)
+        # every new token a decode row (a decode step, a checked draft): the kernel finds every
+        # slot and stores every row's key and value itself, no per-layer scatter or gather
+        self._rows_only = self.uses_cpu_kernel and all(e <= SHORT_EXTEND for e in batch.extend_lens)
+        if self._rows_only:
+            if self._all_decode:
+                self._decode_pages = page_table.contiguous()
+                self._decode_lens = torch.tensor(seq_lens, device=device)
+            else:
+                rows_of = [i for i, extend in enumerate(batch.extend_lens) for _ in range(extend)]
+                self._decode_pages = page_table[rows_of].contiguous()
+                self._decode_lens = torch.tensor(
+                    [n for p, e in zip(batch.prefix_lens, batch.extend_lens, strict=True) for n in range(p + 1, p + e + 1)],
+                    device=device,
+                )
             return
         max_len = max(seq_lens)
         # slots[i, pos] = flat slot of position pos of request i (garbage past seq_len i)
@@ -108,7 +119,7 @@ class TorchNativeBackend(AttentionBackend):
     ) -> torch.Tensor:
         k_pool = self.pool.flat_k(layer_id)
         v_pool = self.pool.flat_v(layer_id)
-        if self._all_decode and self.uses_cpu_kernel:  # the kernel stores k, v itself
+        if self._rows_only:  # the kernel stores k, v itself
             return self._kernel_decode(q, k_pool, v_pool, k, v)
         k_pool.index_copy_(0, self._out_slots, k)
         v_pool.index_copy_(0, self._out_slots, v)
