@@ -101,11 +101,15 @@ def test_rows_of_one_request_see_each_others_new_tokens(rows, cpu_tier):
     q = torch.randn(rows, heads, dim, generator=gen).to(torch.bfloat16)
     k_new = torch.randn(rows, kv_heads, dim, generator=gen).to(torch.bfloat16)
     v_new = torch.randn(rows, kv_heads, dim, generator=gen).to(torch.bfloat16)
+    want_k, want_v = k_pool.clone(), v_pool.clone()
+    last = lens - 1
+    slots = table[0, last // ps] * ps + last % ps
+    want_k[slots], want_v[slots] = k_new, v_new
     got = cpu_kernel.paged_decode(q, k_pool, v_pool, table, lens, ps, 0.125, k_new=k_new, v_new=v_new)
-    stored_k, stored_v = k_pool.clone(), v_pool.clone()  # the kernel stored every new row
-    want = _reference(q, stored_k, stored_v, table, lens, ps, 0.125)
+    assert torch.equal(k_pool, want_k) and torch.equal(v_pool, want_v)  # each row in its slot, nothing else
+    want = _reference(q, want_k, want_v, table, lens, ps, 0.125)
     assert (got.float() - want).abs().max() < TOLERANCE[torch.bfloat16]
-    again = cpu_kernel.paged_decode(q, stored_k, stored_v, table, lens, ps, 0.125)  # all already stored
+    again = cpu_kernel.paged_decode(q, want_k, want_v, table, lens, ps, 0.125)  # all already stored
     assert torch.equal(got, again)
 
 
