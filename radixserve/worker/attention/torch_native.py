@@ -53,20 +53,30 @@ class TorchNativeBackend(AttentionBackend):
         seq_lens = batch.seq_lens
         page_table = batch.page_table.to(device)
         self._all_decode = batch.is_decode
-        # every new token a decode row (a decode step, a checked draft): the kernel finds every
-        # slot and stores every row's key and value itself, no per-layer scatter or gather
-        self._rows_only = self.uses_cpu_kernel and all(e <= SHORT_EXTEND for e in batch.extend_lens)
-        if self._rows_only:
-            if self._all_decode:
-                self._decode_pages = page_table.contiguous()
-                self._decode_lens = torch.tensor(seq_lens, device=device)
+        starts = [0]
+        for e in batch.extend_lens:
+            starts.append(starts[-1] + e)
+        # a request with one new token is a decode row; on the CPU kernels so is each token of a
+        # short extend (a draft being checked), its context up to and with it
+        short = SHORT_EXTEND if self.uses_cpu_kernel else 1
+        decode_of: list[int] = []  # the request of each decode row
+        decode_lens: list[int] = []
+        decode_rows: list[int] = []  # its token's row in the packed q
+        extend_of: list[int] = []  # the requests attended as prefill chunks
+        for i, (prefix, extend) in enumerate(zip(batch.prefix_lens, batch.extend_lens, strict=True)):
+            if extend <= short:
+                decode_of += [i] * extend
+                decode_lens += range(prefix + 1, prefix + extend + 1)
+                decode_rows += range(starts[i], starts[i + 1])
             else:
-                rows_of = [i for i, extend in enumerate(batch.extend_lens) for _ in range(extend)]
-                self._decode_pages = page_table[rows_of].contiguous()
-                self._decode_lens = torch.tensor(
-                    [n for p, e in zip(batch.prefix_lens, batch.extend_lens, strict=True) for n in range(p + 1, p + e + 1)],
-                    device=device,
-                )
+                extend_of.append(i)
+        if decode_of and self.uses_cpu_kernel:  # the kernel finds every slot itself
+            self._decode_pages = page_table[decode_of].contiguous()
+            self._decode_lens = torch.tensor(decode_lens, device=device)
+        # every new token a decode row (a decode step, checks only): the kernel also stores every
+        # row's key and value itself, so no per-layer scatter into the pool or gather of rows
+        self._rows_only = self.uses_cpu_kernel and not extend_of
+        if self._rows_only:
             return
         max_len = max(seq_lens)
         # slots[i, pos] = flat slot of position pos of request i (garbage past seq_len i)
@@ -75,44 +85,25 @@ class TorchNativeBackend(AttentionBackend):
         slots = page_table[:, page_idx] * ps + pos % ps  # [B, max_len]
         self._out_slots = torch.cat(
             [slots[i, p:s] for i, (p, s) in enumerate(zip(batch.prefix_lens, seq_lens))]
-        )  # [T]
-
-        starts = [0]
-        for e in batch.extend_lens:
-            starts.append(starts[-1] + e)
-        # a request with one new token is a decode row; on the CPU kernels so is each token of a
-        # short extend (a draft being checked), its context up to and with it (`forward` stores
-        # every new key and value before it attends)
-        short = SHORT_EXTEND if self.uses_cpu_kernel else 1
-        decode_of: list[int] = []  # the request of each decode row
-        decode_lens: list[int] = []
-        decode_rows: list[int] = []  # its token's row in the packed q
-        self._extends = []
-        for i, (prefix, extend) in enumerate(zip(batch.prefix_lens, batch.extend_lens, strict=True)):
-            if extend <= short:
-                decode_of += [i] * extend
-                decode_lens += range(prefix + 1, prefix + extend + 1)
-                decode_rows += range(starts[i], starts[i + 1])
-            else:
-                self._extends.append(_Extend(starts[i], starts[i + 1], prefix, slots[i, : seq_lens[i]],
-                                             page_table[i, : -(-seq_lens[i] // ps)]))
-        self._decode_rows = None
-        if decode_of:
-            lens = torch.tensor(decode_lens, device=device)
-            self._decode_rows = torch.tensor(decode_rows, device=device)
-            if self.uses_cpu_kernel:
-                self._decode_pages = page_table[decode_of].contiguous()
-                self._decode_lens = lens
-                return
-            dec_len = int(lens.max())
-            self._decode_slots = slots[decode_of, :dec_len]  # [Bd, L]
-            # [Bd, 1, 1, L]: True where the key position is part of the request's context
-            self._decode_mask = (pos[:dec_len][None, :] < lens[:, None])[:, None, None, :]
-            rows = len(decode_of) * dec_len
-            if self._gather_k.shape[0] < rows:
-                shape = (rows, self.shape.num_kv_heads, self.shape.head_dim)
-                self._gather_k = torch.empty(shape, device=device, dtype=self.pool.dtype)
-                self._gather_v = torch.empty(shape, device=device, dtype=self.pool.dtype)
+        )  # [T]: `forward` stores every new key and value before it attends
+        self._extends = [
+            _Extend(starts[i], starts[i + 1], batch.prefix_lens[i], slots[i, : seq_lens[i]],
+                    page_table[i, : -(-seq_lens[i] // ps)])
+            for i in extend_of
+        ]
+        self._decode_rows = torch.tensor(decode_rows, device=device) if decode_of else None
+        if not decode_of or self.uses_cpu_kernel:
+            return
+        lens = torch.tensor(decode_lens, device=device)
+        dec_len = int(lens.max())
+        self._decode_slots = slots[decode_of, :dec_len]  # [Bd, L]
+        # [Bd, 1, 1, L]: True where the key position is part of the request's context
+        self._decode_mask = (pos[:dec_len][None, :] < lens[:, None])[:, None, None, :]
+        rows = len(decode_of) * dec_len
+        if self._gather_k.shape[0] < rows:
+            shape = (rows, self.shape.num_kv_heads, self.shape.head_dim)
+            self._gather_k = torch.empty(shape, device=device, dtype=self.pool.dtype)
+            self._gather_v = torch.empty(shape, device=device, dtype=self.pool.dtype)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int
