@@ -20,9 +20,9 @@ import time
 
 import torch
 
-from radixserve.worker.attention.base import AttentionBatch, AttentionShape
-from radixserve.worker.attention.flashinfer_backend import FlashInferBackend
-from radixserve.worker.kv_pool import KVPool
+from radixserve.attention.base import AttentionBatch, AttentionShape
+from radixserve.attention.flashinfer_backend import FlashInferBackend
+from radixserve.attention.kv_pool import KVPool
 
 
 def build(dtype: torch.dtype, group: int, head_dim: int = 128) -> float:

@@ -24,13 +24,13 @@ from collections.abc import Iterator
 import torch
 
 from bench.baselines import StepClock
+from radixserve.attention.kv_pool import KVPool
+from radixserve.attention.torch_native import TorchNativeBackend
 from radixserve.kernels import isa
 from radixserve.models.loader import load_model
 from radixserve.models.resolve import resolve_model
 from radixserve.protocol import SamplingParams
-from radixserve.worker.attention.torch_native import TorchNativeBackend
 from radixserve.worker.device import dtype_name, resolve_dtype
-from radixserve.worker.kv_pool import KVPool
 from radixserve.worker.model_runner import ModelRunner, SequenceChunk
 from radixserve.worker.page_table import PageTable
 from radixserve.worker.sampler import Sampler, SamplingState

@@ -161,7 +161,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     try:
         config = ServerConfig(**values)
         if config.api_key_file is not None:  # before the model loads: a bad file fails in a second
-            from radixserve.front.tenants import load_api_key_file
+            from radixserve.http.tenants import load_api_key_file
 
             load_api_key_file(config.api_key_file)
         return config
@@ -197,12 +197,12 @@ class _Signals:
 def serve(config: ServerConfig) -> int:
     import uvicorn
 
-    from radixserve.front.connection import deadline_protocol
-    from radixserve.front.drain import ERROR_GRACE_S, DrainingServer
-    from radixserve.front.http_server import create_app
-    from radixserve.front.tokenizer import load_tokenizer
+    from radixserve.http.connection import deadline_protocol
+    from radixserve.http.drain import ERROR_GRACE_S, DrainingServer
+    from radixserve.http.server import create_app
     from radixserve.launch import Backend, StartupError
     from radixserve.placement import pin_current_process
+    from radixserve.tokenizer import load_tokenizer
 
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     sock = _bind(config.host, config.port)  # before the model loads: a taken port fails in a second

@@ -16,7 +16,7 @@ DEVICES = ("auto", "cpu", "cuda")  # and "cuda:K", one GPU of several (see _chec
 POLICIES = ("lpm", "fcfs")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 ATTENTION_BACKENDS = ("auto", "flashinfer", "torch_native")
-TOOL_CALL_PARSERS = ("auto", "hermes", "qwen", "llama3")  # front/tool_calls.py owns the formats
+TOOL_CALL_PARSERS = ("auto", "hermes", "qwen", "llama3")  # http/openai/tool_call_parser.py owns the formats
 
 
 @dataclass(frozen=True)
@@ -61,9 +61,9 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 30000
     api_key: str | None = None
-    api_key_file: str | None = None  # one key per line, `key [tenant]`: a tenant per key (front/tenants.py)
+    api_key_file: str | None = None  # one key per line, `key [tenant]`: a tenant per key (http/tenants.py)
     served_model_name: str | None = None  # the model id of the OpenAI API; None: `model`
-    disable_web_ui: bool = False  # GET / serves no chat page (front/web_ui.py): a 404 as on any unknown route
+    disable_web_ui: bool = False  # GET / serves no chat page (http/web_ui.py): a 404 as on any unknown route
     max_body_bytes: int = 32 * 1024 * 1024  # largest request body accepted (413 above)
     health_timeout: float = 10.0  # /health: seconds the scheduler and worker have to answer
     header_timeout: float = 10.0  # seconds a client has to send a request's head (else closed)

@@ -19,12 +19,13 @@ from typing import Any
 import msgspec
 
 from radixserve.config import ServerConfig
-from radixserve.front.inputs import build_prefix, build_requests, check_pin_options
-from radixserve.front.manager import GenerateRequest, RequestFailed, TokenizerManager
+from radixserve.front.manager import TokenizerManager
 from radixserve.front.recovery import BackendEvents
-from radixserve.front.serving import request_limits
-from radixserve.front.tokenizer import load_tokenizer
+from radixserve.front.types import GenerateRequest, RequestFailed
+from radixserve.front.validation.inputs import build_prefix, build_requests, check_pin_options
+from radixserve.front.validation.limits import request_limits
 from radixserve.launch import Backend
+from radixserve.tokenizer import load_tokenizer
 
 _DONE = object()
 

@@ -16,20 +16,20 @@ import fake_flashinfer
 import pytest
 import torch
 
-import radixserve.worker.attention as attention
+import radixserve.attention as attention
+from radixserve.attention import create_backend, flashinfer_problem, resolve_backend_name
+from radixserve.attention.base import AttentionBatch, AttentionShape
+from radixserve.attention.kv_pool import KVPool
+from radixserve.attention.paged_indices import build_paged_indices
+from radixserve.attention.torch_native import TorchNativeBackend
 from radixserve.config import ServerConfig
 from radixserve.models.loader import load_model
-from radixserve.worker.attention import create_backend, flashinfer_problem, resolve_backend_name
-from radixserve.worker.attention.base import AttentionBatch, AttentionShape
-from radixserve.worker.attention.paged_indices import build_paged_indices
-from radixserve.worker.attention.torch_native import TorchNativeBackend
 from radixserve.worker.cuda_graph import (
     DecodeGraphRunner,
     graph_batch_sizes,
     pad_decode_batch,
     padded_size,
 )
-from radixserve.worker.kv_pool import KVPool
 from radixserve.worker.model_runner import ModelRunner, SequenceChunk
 from radixserve.worker.page_table import PageTable
 
@@ -81,9 +81,9 @@ def test_cpu_only_import_chain_never_imports_flashinfer():
     code = (
         "import sys, torch\n"
         "from radixserve.worker import worker, cuda_graph, model_runner\n"
-        "from radixserve.worker.attention import create_backend\n"
-        "from radixserve.worker.attention.base import AttentionShape\n"
-        "from radixserve.worker.kv_pool import KVPool\n"
+        "from radixserve.attention import create_backend\n"
+        "from radixserve.attention.base import AttentionShape\n"
+        "from radixserve.attention.kv_pool import KVPool\n"
         "b = create_backend('auto', KVPool(1, 4, 4, 2, 64, torch.float32), AttentionShape(4, 2, 64, 0.125), 'cpu')\n"
         "bad = [m for m in sys.modules if m.startswith('flashinfer') or 'flashinfer_backend' in m]\n"
         "assert not bad, bad\n"
@@ -295,7 +295,7 @@ class Harness:
     """A model runner over a shuffled pool, with either backend; the same pages for both."""
 
     def __init__(self, model_dir, page_size: int, backend: str, num_pages: int = 256, **fi_options) -> None:
-        from radixserve.worker.attention.flashinfer_backend import FlashInferBackend
+        from radixserve.attention.flashinfer_backend import FlashInferBackend
 
         loaded = load_model(str(model_dir), dtype=torch.float32)
         self.model = loaded.model

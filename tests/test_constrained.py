@@ -16,7 +16,9 @@ from http_helpers import TINY_OPTIONS, assert_pages_balanced, metric_samples, ru
 from runtime_helpers import make_tiny_chat_model
 
 from radixserve import Engine
-from radixserve.front.validation import InvalidRequest, Limits, parse_sampling_params
+from radixserve.front.types import InvalidRequest
+from radixserve.front.validation.limits import Limits
+from radixserve.front.validation.sampling import parse_sampling_params
 from radixserve.protocol import Grammar
 from radixserve.scheduler.grammar import GrammarCompiler, GrammarError
 from radixserve.worker.sampler import apply_token_bitmasks

@@ -158,9 +158,9 @@ def test_loading_the_kernels_keeps_subnormal_floats(tmp_path):
 
 @pytest.mark.parametrize("cause", ["no_compiler", "build_fails", "disabled"])
 def test_without_the_kernel_torch_native_falls_back(tmp_path, monkeypatch, caplog, cause):
-    from radixserve.worker.attention.base import AttentionShape
-    from radixserve.worker.attention.torch_native import TorchNativeBackend
-    from radixserve.worker.kv_pool import KVPool
+    from radixserve.attention.base import AttentionShape
+    from radixserve.attention.kv_pool import KVPool
+    from radixserve.attention.torch_native import TorchNativeBackend
 
     monkeypatch.setenv("RADIXSERVE_CACHE", str(tmp_path))
     if cause == "no_compiler":

@@ -10,12 +10,12 @@ import time
 import pytest
 import torch
 
+from radixserve.attention.kv_pool import KVPool
 from radixserve.cache.allocator import PageAllocator
 from radixserve.cache.disk_index import DiskIndex, chain_keys, namespace_key
 from radixserve.cache.radix_tree import RadixTree, pack_tokens
 from radixserve.protocol import DiskOps
 from radixserve.worker.kv_disk import DiskStore
-from radixserve.worker.kv_pool import KVPool
 
 MODEL = hashlib.sha256(b"model").digest()
 

@@ -18,8 +18,7 @@ import pytest
 from runtime_helpers import hf_greedy, make_tiny_chat_model, pid_alive
 
 from radixserve import Engine
-from radixserve.front.manager import EngineDead
-from radixserve.front.validation import InvalidRequest
+from radixserve.front.types import EngineDead, InvalidRequest
 
 GREEDY = {"temperature": 0.0}
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from radixserve import Engine
-from radixserve.front.tokenizer import apply_chat_template, load_tokenizer
+from radixserve.tokenizer import apply_chat_template, load_tokenizer
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from radixserve.front.tokenizer import (
+from radixserve.tokenizer import (
     NORMALIZER_MARGIN,
     apply_chat_template,
     encode,

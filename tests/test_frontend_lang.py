@@ -20,7 +20,7 @@ from runtime_helpers import make_tiny_chat_model
 
 import frontend_lang as fl
 from radixserve import Engine
-from radixserve.front.validation import InvalidRequest
+from radixserve.front.types import InvalidRequest
 
 PAGE_SIZE = 16
 GREEDY = {"temperature": 0.0}

@@ -35,7 +35,7 @@ from test_frontend_lang import (  # noqa: F401 - collected again, here against t
 )
 
 import frontend_lang as fl
-from radixserve.front.tokenizer import load_tokenizer
+from radixserve.tokenizer import load_tokenizer
 
 API_KEY = "frontend-lang-test-key"
 OPTIONS = ("--dtype", "float32", "--page-size", str(PAGE_SIZE), "--kv-pages", "4096", "--api-key", API_KEY)

@@ -59,7 +59,7 @@ def gqa_model_dir(tmp_path_factory):
 
 
 def _random_pools(page_size, heads, kv_heads, dtype, num_pages=300, seed=0):
-    from radixserve.worker.kv_pool import KVPool
+    from radixserve.attention.kv_pool import KVPool
 
     a = KVPool(1, num_pages, page_size, kv_heads, 128, dtype, "cuda")
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -74,7 +74,7 @@ def _random_pools(page_size, heads, kv_heads, dtype, num_pages=300, seed=0):
 def _batch(rng, page_size, kinds, num_pages):
     """kinds: decode (1 new token over a context), prefill (no prefix), cached (a chunk over a
     prefix). Every request gets its own shuffled pages, so no two write the same slot."""
-    from radixserve.worker.attention.base import AttentionBatch
+    from radixserve.attention.base import AttentionBatch
 
     prefix, extend = [], []
     for kind in kinds:
@@ -91,8 +91,8 @@ def _batch(rng, page_size, kinds, num_pages):
 )
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_flashinfer_matches_torch_native(flashinfer, dtype, group, page_size):
-    from radixserve.worker.attention import create_backend
-    from radixserve.worker.attention.base import AttentionShape
+    from radixserve.attention import create_backend
+    from radixserve.attention.base import AttentionShape
 
     kv_heads = 8 // group
     heads = kv_heads * group
@@ -123,9 +123,9 @@ class Runner:
     """Our model runner on CUDA over a shuffled pool; rows are requests."""
 
     def __init__(self, model_dir, backend: str, page_size: int = 16, graphs: list[int] | None = None):
+        from radixserve.attention import create_backend
+        from radixserve.attention.kv_pool import KVPool
         from radixserve.models.loader import load_model
-        from radixserve.worker.attention import create_backend
-        from radixserve.worker.kv_pool import KVPool
         from radixserve.worker.model_runner import ModelRunner
         from radixserve.worker.page_table import PageTable
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from radixserve import paths
 from radixserve.models import ModelNotFoundError, resolve, resolve_model
 
 
@@ -142,9 +143,9 @@ def test_concurrent_conversion_keeps_the_winner(
 
 def test_cache_dir_default_and_override(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delenv("RADIXSERVE_CACHE", raising=False)
-    assert resolve.cache_dir() == Path.home() / ".cache" / "radixserve"
+    assert paths.cache_dir() == Path.home() / ".cache" / "radixserve"
     monkeypatch.setenv("RADIXSERVE_CACHE", str(tmp_path))
-    assert resolve.cache_dir() == tmp_path
+    assert paths.cache_dir() == tmp_path
 
 
 def test_default_without_package(monkeypatch: pytest.MonkeyPatch) -> None:

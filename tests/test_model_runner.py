@@ -7,11 +7,11 @@ import random
 import pytest
 import torch
 
+from radixserve.attention.kv_pool import KVPool
+from radixserve.attention.torch_native import SHORT_EXTEND, TorchNativeBackend
 from radixserve.kernels.cpu import load_library
 from radixserve.models.loader import load_model
 from radixserve.models.packed_linear import OneDNNLinear, PanelLinear
-from radixserve.worker.attention.torch_native import SHORT_EXTEND, TorchNativeBackend
-from radixserve.worker.kv_pool import KVPool
 from radixserve.worker.model_runner import ModelRunner, SequenceChunk
 from radixserve.worker.page_table import PageTable
 

@@ -21,12 +21,12 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from radixserve.attention.base import AttentionBatch
+from radixserve.attention.kv_pool import KVPool
+from radixserve.attention.torch_native import TorchNativeBackend
 from radixserve.kernels import isa
 from radixserve.models import LlamaForCausalLM, ModelConfig, load_model, resolve
 from radixserve.models.layers import RotaryEmbedding
-from radixserve.worker.attention.base import AttentionBatch
-from radixserve.worker.attention.torch_native import TorchNativeBackend
-from radixserve.worker.kv_pool import KVPool
 
 TINY_TOL = 1e-4  # fp32, 2 layers
 DEFAULT_TOL = 1e-3  # fp32, 30 layers, logits of order 10

@@ -12,7 +12,7 @@ from http_helpers import TINY_OPTIONS, running_server
 from runtime_helpers import make_tiny_chat_model
 
 from radixserve import Engine
-from radixserve.front.tokenizer import apply_chat_template
+from radixserve.tokenizer import apply_chat_template
 
 MODEL = "tiny-chat"
 PROMPT = "The quick brown fox jumps over the lazy dog"

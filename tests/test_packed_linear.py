@@ -197,9 +197,9 @@ def test_packed_model_gives_the_same_logits(tiny_model_dirs, name, dtype):
     """Every linear and the (tied or untied) lm_head packed: logits unchanged to the last bits
     (bf16 through oneDNN: hidden states to the bit); a bf16 head where the panel kernel builds
     bf16 gives fp32 logits, the sums unrounded."""
-    from radixserve.worker.attention.base import AttentionBatch
-    from radixserve.worker.attention.torch_native import TorchNativeBackend
-    from radixserve.worker.kv_pool import KVPool
+    from radixserve.attention.base import AttentionBatch
+    from radixserve.attention.kv_pool import KVPool
+    from radixserve.attention.torch_native import TorchNativeBackend
 
     if packed_linear(torch.empty(1, 2, dtype=dtype), None) is None:  # bf16 pairs: an even size
         pytest.skip(f"no packed linear for {dtype} here")

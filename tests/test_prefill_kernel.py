@@ -7,11 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from radixserve.attention.base import AttentionBatch, AttentionShape
+from radixserve.attention.kv_pool import KVPool
+from radixserve.attention.torch_native import TorchNativeBackend
 from radixserve.kernels import cpu as cpu_kernel
 from radixserve.kernels.isa import Tier
-from radixserve.worker.attention.base import AttentionBatch, AttentionShape
-from radixserve.worker.attention.torch_native import TorchNativeBackend
-from radixserve.worker.kv_pool import KVPool
 
 
 def _require_kernel(tier: Tier, dtype: torch.dtype, head_dim: int) -> None:

@@ -20,7 +20,7 @@ import pytest
 from http_helpers import TINY_OPTIONS, Server, assert_pages_balanced, metric_samples, sse_events
 from runtime_helpers import make_tiny_chat_model
 
-from radixserve.front.tokenizer import load_tokenizer
+from radixserve.tokenizer import load_tokenizer
 from radixserve.worker.worker import FAIL_ON_TOKEN_ENV
 
 STREAMS = 16

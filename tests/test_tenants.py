@@ -16,7 +16,7 @@ import pytest
 from http_helpers import TINY_OPTIONS, metric_samples, running_server
 from runtime_helpers import make_tiny_chat_model
 
-from radixserve.front.tenants import derived_name, load_api_key_file, namespace
+from radixserve.http.tenants import derived_name, load_api_key_file, namespace
 
 KEY_A = "sk-alpha-0123456789abcdef"
 KEY_A2 = "sk-alpha-rotated-fedcba9876"  # a second key of tenant-a

@@ -1,4 +1,4 @@
-"""Reading tool calls out of generated text (radixserve/front/tool_calls.py): whole texts, the
+"""Reading tool calls out of generated text (radixserve/http/openai/tool_call_parser.py): whole texts, the
 same texts streamed with the chunk boundary at every position, malformed calls that must stay
 content, and texts that xgrammar's own structural tags generate (what `tool_choice: required`
 constrains a model to), which must parse to calls whose arguments satisfy the tool's schema."""
@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from radixserve.front.tool_calls import (
+from radixserve.http.openai.tool_call_parser import (
     HERMES,
     LLAMA3,
     ArgumentsDelta,

@@ -1,5 +1,5 @@
 """The request side of tool calling and structured outputs, without a server: checking `tools`,
-`tool_choice`, `response_format` and the constraint keys (front/tools.py, front/constraints.py),
+`tool_choice`, `response_format` and the constraint keys (http/openai/tool_requests.py, http/openai/constraints.py),
 and rendering conversations with tools, calls and results for a template that knows no tools (the
 default model's ChatML) and for one that does."""
 
@@ -10,11 +10,16 @@ import json
 
 import pytest
 
-from radixserve.front.constraints import body_constraint
-from radixserve.front.tokenizer import load_tokenizer, normalize_messages
-from radixserve.front.tool_calls import HERMES, LLAMA3, parse_tool_calls
-from radixserve.front.tools import parse_tool_request, prompt_chars, render_chat, structural_tag
-from radixserve.front.validation import InvalidRequest
+from radixserve.front.types import InvalidRequest
+from radixserve.http.openai.constraints import body_constraint
+from radixserve.http.openai.tool_call_parser import HERMES, LLAMA3, parse_tool_calls
+from radixserve.http.openai.tool_requests import (
+    parse_tool_request,
+    prompt_chars,
+    render_chat,
+    structural_tag,
+)
+from radixserve.tokenizer import load_tokenizer, normalize_messages
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",
@@ -144,7 +149,7 @@ def _text(tokenizer, ids: list[int]) -> str:
 
 
 def test_chatml_without_tools_renders_as_before(tokenizer):
-    from radixserve.front.tokenizer import apply_chat_template
+    from radixserve.tokenizer import apply_chat_template
 
     chat = normalize_messages([{"role": "user", "content": "hi"}])
     assert render_chat(tokenizer, chat, None, HERMES, True) == apply_chat_template(tokenizer, chat, True)

@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixserve.front.validation import (
+from radixserve.front.types import InvalidRequest
+from radixserve.front.validation.limits import Limits
+from radixserve.front.validation.sampling import (
     MAX_SEED,
-    InvalidRequest,
-    Limits,
     check_lengths,
     parse_sampling_params,
     validate_input_ids,
@@ -369,7 +369,7 @@ class _CharTokenizer:
 
 
 def build(**fields: Any) -> list[Any]:
-    from radixserve.front.inputs import build_requests
+    from radixserve.front.validation.inputs import build_requests
     from radixserve.protocol import SchedulerReady
 
     ready = SchedulerReady(1024, 4, 256, VOCAB, [2], "stub", "float32", "cpu", "avx2")

@@ -70,8 +70,7 @@ def _engine_kwargs(request: dict[str, Any]) -> dict[str, Any]:
 
 def _backend_error(exc: Exception) -> BackendError | None:
     """The runtime's exceptions as BackendError, with the HTTP server's status for each."""
-    from radixserve.front.manager import EngineDead, RequestFailed
-    from radixserve.front.validation import InvalidRequest
+    from radixserve.front.types import EngineDead, InvalidRequest, RequestFailed
 
     if isinstance(exc, InvalidRequest):
         return BackendError(exc.message, 400)

@@ -34,7 +34,8 @@ from radixserve.ipc import Endpoints
 from radixserve.protocol import RequestOutput, ResumedSample, TokenizedRequest
 
 if TYPE_CHECKING:
-    from radixserve.front.manager import GenerateRequest, TokenizerManager
+    from radixserve.front.manager import TokenizerManager
+    from radixserve.front.types import GenerateRequest
 
 log = logging.getLogger("radixserve.recovery")
 

@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 
 from radixserve.kernels import isa
-from radixserve.models.resolve import cache_dir
+from radixserve.paths import cache_dir
 
 log = logging.getLogger("radixserve.kernels")
 

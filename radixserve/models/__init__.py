@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from radixserve.models.config import ModelConfig, RopeConfig
-from radixserve.models.resolve import ModelNotFoundError, cache_dir, default_gguf, resolve_model
+from radixserve.models.resolve import ModelNotFoundError, default_gguf, resolve_model
 
 if TYPE_CHECKING:
     from radixserve.models.llama import ARCHITECTURES, LlamaForCausalLM
@@ -30,7 +30,6 @@ __all__ = [
     "ModelConfig",
     "ModelNotFoundError",
     "RopeConfig",
-    "cache_dir",
     "default_gguf",
     "load_model",
     "resolve_model",

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixserve.attention.base import AttentionBackend
 from radixserve.kernels import cpu as cpu_kernels
 from radixserve.models.config import ModelConfig, RopeConfig
-from radixserve.worker.attention.base import AttentionBackend
 
 
 class RMSNorm(nn.Module):

@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixserve.attention.base import AttentionBackend, AttentionShape
 from radixserve.models.config import ModelConfig
 from radixserve.models.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
-from radixserve.worker.attention.base import AttentionBackend, AttentionShape
 
 
 class DecoderLayer(nn.Module):

@@ -16,13 +16,14 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import logging
-import os
 import shutil
 import tempfile
 import time
 from pathlib import Path
 
 from tqdm import tqdm
+
+from radixserve.paths import cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -34,11 +35,6 @@ _GGUF_MAGIC = b"GGUF"
 
 class ModelNotFoundError(FileNotFoundError):
     """The model spec names a path (or the default package) that is not there."""
-
-
-def cache_dir() -> Path:
-    """Root of radixserve's on-disk cache: $RADIXSERVE_CACHE, else ~/.cache/radixserve."""
-    return Path(os.environ.get("RADIXSERVE_CACHE") or "~/.cache/radixserve").expanduser()
 
 
 def default_gguf() -> Path:

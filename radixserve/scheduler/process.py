@@ -150,7 +150,7 @@ class _LazyTokenizer:
         with self._lock:
             if self._tokenizer is None:
                 with IMPORT_LOCK:  # not beside xgrammar's import (scheduler/grammar.py)
-                    from radixserve.front.tokenizer import load_tokenizer
+                    from radixserve.tokenizer import load_tokenizer
 
                     self._tokenizer = load_tokenizer(self._model_path)
             return self._tokenizer

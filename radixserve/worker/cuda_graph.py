@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from radixserve.worker.attention.base import AttentionBackend, AttentionBatch
+from radixserve.attention.base import AttentionBackend, AttentionBatch
 
 log = logging.getLogger("radixserve.worker")
 

@@ -39,8 +39,8 @@ from pathlib import Path
 
 import torch
 
+from radixserve.attention.kv_pool import KVPool
 from radixserve.protocol import DiskOps, DiskReport
-from radixserve.worker.kv_pool import KVPool
 
 log = logging.getLogger("radixserve.worker")
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from radixserve.worker.attention.base import AttentionBackend, AttentionBatch
+from radixserve.attention.base import AttentionBackend, AttentionBatch
 from radixserve.worker.cuda_graph import DecodeGraphRunner
 from radixserve.worker.page_table import PageTable
 

@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from radixserve.attention import create_backend
+from radixserve.attention.kv_pool import KVPool
 from radixserve.config import ServerConfig
 from radixserve.kernels import isa
 from radixserve.protocol import Chunk, ChunkResult, ForwardBatch, ForwardResult, WorkerReady
-from radixserve.worker.attention import create_backend
 from radixserve.worker.cuda_graph import graph_batch_sizes
 from radixserve.worker.device import dtype_name, resolve_device, resolve_dtype
 from radixserve.worker.kv_disk import DiskStore, model_key
-from radixserve.worker.kv_pool import KVPool
 from radixserve.worker.model_runner import ModelRunner, SequenceChunk
 from radixserve.worker.page_table import PageTable
 from radixserve.worker.sampler import SampleOutput, Sampler, SamplingState, token_logprobs

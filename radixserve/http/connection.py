@@ -26,7 +26,7 @@ import h11
 import msgspec
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from radixserve.front.http_common import HTTPError
+from radixserve.http.common import HTTPError
 
 log = logging.getLogger("radixserve.http")
 

@@ -1,4 +1,4 @@
-// The chat page of radixserve (served at GET / by radixserve/front/web_ui.py).
+// The chat page of radixserve (served at GET / by radixserve/http/web_ui.py).
 //
 // One conversation, streamed from /v1/chat/completions with usage in the last chunk, so each
 // reply shows its prompt tokens and how many of them the prefix cache served. Everything the

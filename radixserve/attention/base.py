@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from radixserve.worker.kv_pool import KVPool
+from radixserve.attention.kv_pool import KVPool
 
 
 @dataclass(frozen=True)

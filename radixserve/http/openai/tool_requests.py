@@ -23,9 +23,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from radixserve.front.tokenizer import apply_chat_template
-from radixserve.front.tool_calls import ToolCallFormat
-from radixserve.front.validation import InvalidRequest
+from radixserve.front.types import InvalidRequest
+from radixserve.http.openai.tool_call_parser import ToolCallFormat
+from radixserve.tokenizer import apply_chat_template
 
 MAX_TOOLS = 128  # OpenAI's cap
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from radixserve.worker.attention.base import AttentionBatch
+from radixserve.attention.base import AttentionBatch
 
 
 @dataclass(frozen=True)

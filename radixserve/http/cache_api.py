@@ -19,11 +19,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from radixserve.front.http_common import HTTPError, JSONResponse, handles_errors, read_json
-from radixserve.front.inputs import build_prefix, check_pin_options
-from radixserve.front.serving import ServerState
-from radixserve.front.tenants import SCOPE_KEY, namespace, salt_in
-from radixserve.front.validation import InvalidRequest
+from radixserve.front.types import InvalidRequest
+from radixserve.front.validation.inputs import build_prefix, check_pin_options
+from radixserve.http.common import HTTPError, JSONResponse, handles_errors, read_json
+from radixserve.http.state import ServerState
+from radixserve.http.tenants import SCOPE_KEY, namespace, salt_in
 from radixserve.protocol import PinInfo
 
 _PIN_FIELDS = frozenset({"text", "input_ids", "cache_salt", "tier", "ttl"})

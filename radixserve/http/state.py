@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from radixserve.config import ServerConfig
-from radixserve.front.http_common import HTTPError, merge
-from radixserve.front.manager import EngineDead, GenerateRequest, TokenizerManager
-from radixserve.front.metrics import ServerMetrics
-from radixserve.front.tokenizer import prompt_char_limit
-from radixserve.front.validation import Limits
+from radixserve.front.manager import TokenizerManager
+from radixserve.front.types import EngineDead, GenerateRequest
+from radixserve.front.validation.limits import Limits, request_limits
+from radixserve.http.common import HTTPError, merge
+from radixserve.http.metrics import ServerMetrics
 from radixserve.launch import Backend
 from radixserve.protocol import SchedulerReady
 
@@ -28,15 +28,6 @@ T = TypeVar("T")
 # loop keeps serving while they work; two keep one long prompt from holding up every other
 # request, and bound the memory that prompts being tokenized take together.
 PREPARE_THREADS = 2
-
-
-def request_limits(config: ServerConfig, ready: SchedulerReady, tokenizer: Any) -> Limits:
-    """The per-request caps of a server or `Engine`: prompts x n at most the queue's size, and
-    no text longer than the context could possibly hold (`prompt_char_limit`)."""
-    return Limits(
-        max_sequences=config.max_queued_requests,
-        max_prompt_chars=prompt_char_limit(tokenizer, ready.context_len),
-    )
 
 
 @dataclass

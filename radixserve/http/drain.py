@@ -17,7 +17,7 @@ import types
 
 import uvicorn
 
-from radixserve.front.serving import ServerState
+from radixserve.http.state import ServerState
 
 log = logging.getLogger("radixserve.http")
 

@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import torch
 
-from radixserve.worker.attention.base import AttentionBackend, AttentionBatch, AttentionShape
-from radixserve.worker.attention.paged_indices import build_paged_indices
-from radixserve.worker.kv_pool import KVPool
+from radixserve.attention.base import AttentionBackend, AttentionBatch, AttentionShape
+from radixserve.attention.kv_pool import KVPool
+from radixserve.attention.paged_indices import build_paged_indices
 
 WORKSPACE_BYTES = 256 * 2**20  # FlashInfer recommends 128 MB; split-k at batch 256 wants more
 PREFILL_KERNELS = "fa2"  # fa3 (Hopper) is a second JIT build; try it once fa2 is measured

@@ -28,8 +28,10 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from radixserve.front.constraints import Constraint, body_constraint
-from radixserve.front.http_common import (
+from radixserve.front.types import GenerateRequest, InvalidRequest, RequestFailed
+from radixserve.front.validation.inputs import build_requests
+from radixserve.front.validation.sampling import check_prompt_chars
+from radixserve.http.common import (
     SSE_DONE,
     JSONResponse,
     SSEResponse,
@@ -39,12 +41,8 @@ from radixserve.front.http_common import (
     to_http_error,
     until_disconnect,
 )
-from radixserve.front.inputs import build_requests
-from radixserve.front.manager import GenerateRequest, RequestFailed
-from radixserve.front.serving import ServerState
-from radixserve.front.tenants import scope_requests
-from radixserve.front.tokenizer import normalize_messages, text_chars
-from radixserve.front.tool_calls import (
+from radixserve.http.openai.constraints import Constraint, body_constraint
+from radixserve.http.openai.tool_call_parser import (
     ArgumentsDelta,
     CallStarted,
     ContentDelta,
@@ -54,14 +52,16 @@ from radixserve.front.tool_calls import (
     parse_tool_calls,
     resolve_format,
 )
-from radixserve.front.tools import (
+from radixserve.http.openai.tool_requests import (
     ToolRequest,
     parse_tool_request,
     prompt_chars,
     render_chat,
     structural_tag,
 )
-from radixserve.front.validation import InvalidRequest, check_prompt_chars
+from radixserve.http.state import ServerState
+from radixserve.http.tenants import scope_requests
+from radixserve.tokenizer import normalize_messages, text_chars
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
 

@@ -9,17 +9,16 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from radixserve.front.manager import GenerateRequest
-from radixserve.front.tokenizer import encode
-from radixserve.front.validation import (
-    InvalidRequest,
-    Limits,
+from radixserve.front.types import GenerateRequest, InvalidRequest
+from radixserve.front.validation.limits import Limits
+from radixserve.front.validation.sampling import (
     check_lengths,
     check_prompt_chars,
     parse_sampling_params,
     validate_input_ids,
 )
 from radixserve.protocol import PIN_TIERS, SchedulerReady
+from radixserve.tokenizer import encode
 
 
 def build_requests(

@@ -18,8 +18,13 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from radixserve.front.manager import EngineDead, RequestCrashedEngine, RequestFailed, RidInUse
-from radixserve.front.validation import InvalidRequest
+from radixserve.front.types import (
+    EngineDead,
+    InvalidRequest,
+    RequestCrashedEngine,
+    RequestFailed,
+    RidInUse,
+)
 
 log = logging.getLogger("radixserve.http")
 

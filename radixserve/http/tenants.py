@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from radixserve.front.manager import GenerateRequest
+from radixserve.front.types import GenerateRequest
 
 # the names go into a Prometheus label and a cache namespace: keep them plain
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")

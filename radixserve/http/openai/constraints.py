@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from radixserve.front.validation import InvalidRequest
+from radixserve.front.types import InvalidRequest
 
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 ANY_OBJECT = {"type": "object"}

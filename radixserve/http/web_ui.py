@@ -1,4 +1,4 @@
-"""The chat page at `GET /`: static files shipped in `front/web/`, no build step, nothing fetched
+"""The chat page at `GET /`: static files shipped in `http/web/`, no build step, nothing fetched
 from anywhere but this server.
 
 The page holds no secret, so its files are served without the API key (`PUBLIC_PATHS`, which

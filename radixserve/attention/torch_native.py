@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from radixserve.attention.base import AttentionBackend, AttentionBatch, AttentionShape
+from radixserve.attention.kv_pool import KVPool
 from radixserve.kernels import cpu as cpu_kernels
-from radixserve.worker.attention.base import AttentionBackend, AttentionBatch, AttentionShape
-from radixserve.worker.kv_pool import KVPool
 
 # On the CPU kernels an extend of at most this many tokens is attended as that many decode rows,
 # each reading its context in place. A checked draft (up to --speculative-num-draft-tokens + 1

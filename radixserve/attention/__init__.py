@@ -21,8 +21,8 @@ import torch
 from radixserve.config import ATTENTION_BACKENDS
 
 if TYPE_CHECKING:
-    from radixserve.worker.attention.base import AttentionBackend, AttentionShape
-    from radixserve.worker.kv_pool import KVPool
+    from radixserve.attention.base import AttentionBackend, AttentionShape
+    from radixserve.attention.kv_pool import KVPool
 
 log = logging.getLogger("radixserve.worker")
 
@@ -76,9 +76,9 @@ def create_backend(
     device = torch.device(device)
     chosen = resolve_backend_name(name, device, pool.dtype, shape.head_dim)
     if chosen == "flashinfer":
-        from radixserve.worker.attention.flashinfer_backend import FlashInferBackend
+        from radixserve.attention.flashinfer_backend import FlashInferBackend
 
         return FlashInferBackend(pool, shape)
-    from radixserve.worker.attention.torch_native import TorchNativeBackend
+    from radixserve.attention.torch_native import TorchNativeBackend
 
     return TorchNativeBackend(pool, shape)

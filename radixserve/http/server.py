@@ -4,7 +4,7 @@
 the `TokenizerManager` is created in the server's own event loop (lifespan). Routes are thin:
 parse, call the front library, shape the answer.
 
-    GET  /                 the chat page (front/web_ui.py; no API key needed); off with --disable-web-ui
+    GET  /                 the chat page (http/web_ui.py; no API key needed); off with --disable-web-ui
     GET  /health           200 only when the scheduler and worker answer (no API key needed)
     GET  /metrics          Prometheus text
     GET  /health_generate  the same check (SGLang's name for it; needs the API key)
@@ -41,8 +41,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from radixserve import __version__
 from radixserve.config import ServerConfig
-from radixserve.front import cache_api, openai_api, web_ui
-from radixserve.front.http_common import (
+from radixserve.front.manager import TokenizerManager
+from radixserve.front.recovery import BackendEvents
+from radixserve.front.types import EngineDead, GenerateRequest, InvalidRequest
+from radixserve.front.validation.inputs import build_requests
+from radixserve.http import cache_api, web_ui
+from radixserve.http.common import (
     SSE_DONE,
     HTTPError,
     JSONResponse,
@@ -53,13 +57,10 @@ from radixserve.front.http_common import (
     to_http_error,
     until_disconnect,
 )
-from radixserve.front.inputs import build_requests
-from radixserve.front.manager import EngineDead, GenerateRequest, TokenizerManager
-from radixserve.front.metrics import CONTENT_TYPE, ServerMetrics
-from radixserve.front.recovery import BackendEvents
-from radixserve.front.serving import ServerState
-from radixserve.front.tenants import SCOPE_KEY, Tenants, load_api_key_file, scope_requests
-from radixserve.front.validation import InvalidRequest
+from radixserve.http.metrics import CONTENT_TYPE, ServerMetrics
+from radixserve.http.openai import routes as openai_api
+from radixserve.http.state import ServerState
+from radixserve.http.tenants import SCOPE_KEY, Tenants, load_api_key_file, scope_requests
 from radixserve.launch import Backend
 from radixserve.protocol import SamplingParams, SchedulerReady
 
