@@ -23,6 +23,7 @@ from radixserve.protocol import (
     ForwardBatch,
     ForwardResult,
     SamplingParams,
+    TokenBatchOut,
     TokenizedRequest,
     WorkerReady,
 )
@@ -69,10 +70,11 @@ def serve(smol: Any, script: list[int], sampling: SamplingParams) -> tuple[Sampl
     shown = []
     while (batch := sched.build_batch()) is not None:
         sched.process_result(worker.step(batch))
-        for out in sched.outputs:
-            front.apply(out)
-            shown.append(front.visible_text)
-        sched.outputs = []
+        for message in sched.take_messages():
+            assert isinstance(message, TokenBatchOut)
+            for out in message.outputs:
+                front.apply(out)
+                shown.append(front.visible_text)
     assert front.done
     return front, shown
 

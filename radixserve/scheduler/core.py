@@ -45,6 +45,7 @@ from radixserve.protocol import (
     RequestRejected,
     SamplingParams,
     SchedulerStats,
+    TokenBatchOut,
     TokenizedRequest,
     UnpinPrefix,
     WorkerReady,
@@ -118,10 +119,11 @@ class Scheduler:
         self._in_flight: list[tuple[Request, Chunk]] = []  # this step's chunks
         self._in_flight_keys: set[str] = set()
         self._finished_keys: list[str] = []
-        self.outputs: list[RequestOutput] = []
-        self.rejections: list[RequestRejected] = []  # refused after queueing (a bad grammar)
+        # for the front, until `take_messages`
+        self._outputs: list[RequestOutput] = []
+        self._rejections: list[RequestRejected] = []  # refused after queueing (a bad grammar)
+        self._replies: list[PinDone] = []  # pins made in a step
         self.pins = Pins(self.kv, config.max_pinned_fraction)
-        self.replies: list[PinDone] = []  # pins made in a step, for the front
 
     # ------------------------------------------------------------------ requests in
 
@@ -268,6 +270,15 @@ class Scheduler:
             "grammar_compile_buckets": list(c.buckets), "grammar_compile_seconds_sum": c.seconds_sum,
         }
 
+    def take_messages(self) -> list[RequestRejected | PinDone | TokenBatchOut]:
+        """What the scheduler has for the front since the last call, in the order to send it:
+        refusals of queued requests, pins made, then every sample's outputs in one batch."""
+        messages: list[RequestRejected | PinDone | TokenBatchOut] = [*self._rejections, *self._replies]
+        if self._outputs:
+            messages.append(TokenBatchOut(self._outputs))
+        self._rejections, self._replies, self._outputs = [], [], []
+        return messages
+
     def in_flight_rids(self) -> list[int]:
         """The submissions of the step being built or run (an engine failure's suspects)."""
         return sorted({req.rid for req, _ in self._in_flight})
@@ -311,7 +322,7 @@ class Scheduler:
                 self.grammars.give_up(req.grammar_wait)
             req.end(FinishReason("abort", message=message))
         self._prompt_logprobs_pending.discard(rid)
-        self.rejections.append(RequestRejected(rid, message))
+        self._rejections.append(RequestRejected(rid, message))
 
     # ------------------------------------------------------------------ one step
 
@@ -676,7 +687,7 @@ class Scheduler:
             out.output_top_logprobs = [top] if req.top_logprobs_num else []
         if finish is not None:
             self._end(req, finish)
-        self.outputs.append(out)
+        self._outputs.append(out)
 
     def _stop_reason(self, req: Request, new_tokens: list[int]) -> FinishReason | None:
         """Why the sample ends with `new_tokens` (its last output), if it does.
@@ -725,9 +736,9 @@ class Scheduler:
             req.prompt_logprobs_complete()
         self._end(req, finish)
         if req.pin is not None:
-            self.replies.append(self._complete_pin(req, req.pin, finish))
+            self._replies.append(self._complete_pin(req, req.pin, finish))
             return
-        self.outputs.append(self._output(req, [], finish))
+        self._outputs.append(self._output(req, [], finish))
 
     def _end(self, req: Request, finish: FinishReason) -> None:
         if req in self.running:

@@ -20,7 +20,6 @@ from radixserve.protocol import (
     PinPrefix,
     SchedulerReady,
     Shutdown,
-    TokenBatchOut,
     TokenizedRequest,
     UnpinPrefix,
     WorkerFailed,
@@ -88,15 +87,8 @@ def run_scheduler(config: ServerConfig, endpoints: Endpoints) -> None:
                 cleanup = scheduler.pending_worker_cleanup()
                 if cleanup is not None:
                     scheduler.absorb_worker_report(forward(cleanup))
-            for rejected in scheduler.rejections:
-                to_front.send(rejected)
-            scheduler.rejections = []
-            for reply in scheduler.replies:
-                to_front.send(reply)
-            scheduler.replies = []
-            if scheduler.outputs:
-                to_front.send(TokenBatchOut(scheduler.outputs))
-                scheduler.outputs = []
+            for out in scheduler.take_messages():
+                to_front.send(out)
     except WorkerDied as exc:
         log.error("worker failed: %s", exc)
         _report_failure(to_front, f"the worker failed: {exc}", scheduler)
