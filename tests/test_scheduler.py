@@ -21,6 +21,7 @@ from radixserve.protocol import (
     SamplingParams,
     TokenBatchOut,
     TokenizedRequest,
+    WorkerInfo,
     WorkerReady,
 )
 from radixserve.scheduler.core import Scheduler
@@ -71,7 +72,7 @@ class FakeWorker:
 
 def make(page_size: int = 4, pages: int = 256, **options) -> tuple[Scheduler, FakeWorker]:
     config = ServerConfig(page_size=page_size, debug_checks=True, **options)
-    ready = WorkerReady(pages, page_size, pages * page_size, 1000, [EOS], "fake", "float32", "cpu", "avx2")
+    ready = WorkerReady(WorkerInfo(pages, page_size, pages * page_size, 1000, [EOS], "fake", "float32", "cpu", "avx2"))
     sched = Scheduler(config, ready, lambda req: None)
     return sched, FakeWorker(config.max_running_requests, pages, page_size)
 

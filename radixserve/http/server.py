@@ -62,7 +62,7 @@ from radixserve.http.openai import routes as openai_api
 from radixserve.http.state import ServerState
 from radixserve.http.tenants import SCOPE_KEY, Tenants, load_api_key_file, scope_requests
 from radixserve.launch import Backend
-from radixserve.protocol import SamplingParams, SchedulerReady
+from radixserve.protocol import SamplingParams, WorkerInfo
 
 log = logging.getLogger("radixserve.http")
 
@@ -85,7 +85,7 @@ _GENERATE_UNSUPPORTED = frozenset({
 _GENERATE_LOGGING_FLAGS = frozenset({"log_metrics", "no_logs"})
 
 
-def create_app(config: ServerConfig, backend: Backend, ready: SchedulerReady, tokenizer: Any) -> Starlette:
+def create_app(config: ServerConfig, backend: Backend, ready: WorkerInfo, tokenizer: Any) -> Starlette:
     """The ASGI app over a started backend. The API key (or the keys of --api-key-file), if any,
     guards every route but /health and the chat page's files (which hold no secret)."""
     state = ServerState(config=config, backend=backend, ready=ready, tokenizer=tokenizer)

@@ -89,11 +89,12 @@ class Scheduler:
         grammars: GrammarCompiler | None = None,
     ) -> None:
         self.config = config
-        self.page_size = ready.page_size
-        self.context_len = ready.context_len
-        self.eos_token_ids = frozenset(ready.eos_token_ids)
+        info = ready.info
+        self.page_size = info.page_size
+        self.context_len = info.context_len
+        self.eos_token_ids = frozenset(info.eos_token_ids)
         self.kv = KVManager(
-            ready.total_pages, ready.page_size, config.max_running_requests,
+            info.total_pages, info.page_size, config.max_running_requests,
             enable_cache=not config.disable_radix_cache,
         )
         if config.kv_disk_dir and ready.disk_page_bytes:

@@ -53,13 +53,13 @@ def run_scheduler(config: ServerConfig, endpoints: Endpoints) -> None:
     if not isinstance(ready, WorkerReady):
         log.error("%s", getattr(ready, "message", f"unexpected first message {ready!r}"))
         raise SystemExit(1)
-    tokenizer = _LazyTokenizer(ready.model_path)
+    tokenizer = _LazyTokenizer(ready.info.model_path)
     grammars = GrammarCompiler(
-        tokenizer.get, ready.vocab_size, ready.eos_token_ids, timeout=config.grammar_compile_timeout,
+        tokenizer.get, ready.info.vocab_size, ready.info.eos_token_ids, timeout=config.grammar_compile_timeout,
     )
     threading.Thread(target=grammars.warm_up, name="grammar-warm-up", daemon=True).start()
     scheduler = Scheduler(config, ready, _stop_checker_factory(tokenizer), grammars)
-    to_front.send(SchedulerReady(**{f: getattr(ready, f) for f in SchedulerReady.__struct_fields__}))
+    to_front.send(SchedulerReady(ready.info))
 
     def forward(batch: ForwardBatch) -> ForwardResult:
         to_worker.send(batch)
