@@ -162,8 +162,10 @@ class Request:
         """More than the last sampled token is still to compute (prompt, or a resumed context)."""
         return self._phase is RequestPhase.PREFILLING
 
-    def _move(self, to: RequestPhase) -> None:
-        if to not in _LEGAL[self._phase]:
+    def _move(self, to: RequestPhase, only_from: frozenset[RequestPhase] | None = None) -> None:
+        """Change phase, if the lifecycle allows `to` from here (and the caller's step starts in
+        one of `only_from`: `admit` from PREFILLING to DECODING is no progress, for one)."""
+        if to not in _LEGAL[self._phase] or (only_from is not None and self._phase not in only_from):
             raise IllegalTransition(f"request {self.key}: {self._phase.name} -> {to.name} is not a legal transition")
         self._phase = to
 
@@ -172,13 +174,13 @@ class Request:
 
     def grammar_compiled(self, matcher: GrammarMatcher) -> None:
         """WAITING_FOR_GRAMMAR -> WAITING: its grammar compiled; the matcher is its own."""
-        self._move(RequestPhase.WAITING)
+        self._move(RequestPhase.WAITING, only_from=frozenset({RequestPhase.WAITING_FOR_GRAMMAR}))
         self.matcher, self.grammar_wait = matcher, None
 
     def admit(self) -> bool:
         """WAITING -> PREFILLING (or DECODING, when the cache held all but the last token):
         it holds its KV pages and row now. True at its first admission (to count it once)."""
-        self._move(self._compute_phase())
+        self._move(self._compute_phase(), only_from=frozenset({RequestPhase.WAITING}))
         first, self.admitted = not self.admitted, True
         return first
 
@@ -201,7 +203,7 @@ class Request:
 
     def retract(self) -> None:
         """PREFILLING/DECODING -> WAITING, its KV state dropped (`reset_kv`); output kept."""
-        self._move(RequestPhase.WAITING)
+        self._move(RequestPhase.WAITING, only_from=RUNNING)
 
     def end(self, finish: FinishReason) -> None:
         """Any live phase -> FINISHED, for `finish`'s reason."""
