@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -57,6 +56,7 @@ from radixserve.scheduler.ngram import NgramDrafter
 from radixserve.scheduler.pins import PinRefused, Pins
 from radixserve.scheduler.policy import order_waiting, shares_uncached_prefix
 from radixserve.scheduler.request import PromptLogprobs, Request, Speculation
+from radixserve.scheduler.stats import Counters, scheduler_stats
 from radixserve.scheduler.stop import StopChecker
 
 log = logging.getLogger("radixserve.scheduler")
@@ -67,17 +67,6 @@ NEW_TOKEN_RATIO_DECAY = 0.002  # per step without retraction
 RETRACT_RATIO_STEP = 0.2  # added after each retraction: admission learns to leave more room
 DEDUP_MIN_TOKENS = 32  # shared uncached prefix worth waiting one prefill for
 ADMISSION_SHARE = 4  # 1/4 of a step's prompt budget goes to short prompts while a long one runs
-
-
-@dataclass
-class Counters:
-    prompt_tokens: int = 0
-    cached_prompt_tokens: int = 0  # from memory and from disk
-    cached_prompt_tokens_disk: int = 0  # of those, loaded from the disk tier
-    generation_tokens: int = 0
-    retractions: int = 0
-    spec_draft_tokens: int = 0
-    spec_accepted_tokens: int = 0
 
 
 class Scheduler:
@@ -210,66 +199,12 @@ class Scheduler:
     def list_pins(self, req_id: int) -> PinList:
         return PinList(req_id, self.pins.list())
 
-    def _complete_pin(self, req: Request, order: PinPrefix, finish: FinishReason) -> PinDone:
-        if finish.type == "abort":
-            return PinDone(order.req_id, error=finish.message or "aborted")
-        keys = self.kv.disk.keys_for(order.input_ids, req.namespace) if self.kv.disk is not None else []
-        try:
-            pin = self.pins.hold(order, keys)
-        except PinRefused as exc:
-            return PinDone(order.req_id, error=str(exc))
-        return PinDone(order.req_id, pin.info(), cached_tokens=req.cached_tokens)
-
     def flush_cache(self, req_id: int) -> FlushCacheDone:
         freed = self.kv.flush()
         return FlushCacheDone(req_id, freed, ok=not self.running)
 
     def stats(self, req_id: int) -> SchedulerStats:
-        cache = self.kv.cache.stats()
-        return SchedulerStats(
-            req_id=req_id,
-            num_running=len(self.running),
-            num_waiting=len(self.waiting),
-            total_pages=self.kv.total_pages,
-            free_pages=self.kv.allocator.num_free,
-            cached_pages=cache.cached_pages,
-            evictable_pages=cache.evictable_pages,
-            running_pages=self.kv.running_pages(),
-            prompt_tokens_total=self.counters.prompt_tokens,
-            cached_prompt_tokens_total=self.counters.cached_prompt_tokens,
-            generation_tokens_total=self.counters.generation_tokens,
-            num_retractions_total=self.counters.retractions,
-            last_step_time=self.last_step_time,
-            spec_draft_tokens_total=self.counters.spec_draft_tokens,
-            spec_accepted_tokens_total=self.counters.spec_accepted_tokens,
-            cached_prompt_tokens_disk_total=self.counters.cached_prompt_tokens_disk,
-            pinned_tokens_memory=self.pins.pinned_tokens("memory"),
-            pinned_tokens_disk=self.pins.pinned_tokens("disk"),
-            **self._grammar_stats(),
-            **self._disk_stats(),
-        )
-
-    def _disk_stats(self) -> dict[str, Any]:
-        disk = self.kv.disk
-        if disk is None:
-            return {}
-        r = disk.report
-        return {
-            "kv_disk_pages": len(disk.index), "kv_disk_bytes": disk.bytes_used,
-            "kv_disk_capacity_bytes": disk.index.capacity * disk.page_bytes,
-            "kv_disk_stored_bytes_total": r.stored_bytes, "kv_disk_loaded_bytes_total": r.loaded_bytes,
-            "kv_disk_store_seconds_total": r.store_seconds, "kv_disk_load_seconds_total": r.load_seconds,
-            "kv_disk_corrupt_pages_total": r.corrupt_pages,
-        }
-
-    def _grammar_stats(self) -> dict[str, Any]:
-        if self.grammars is None:
-            return {}
-        c = self.grammars.counters
-        return {
-            "grammar_compiles_total": c.compiles, "grammar_cache_hits_total": c.cache_hits,
-            "grammar_compile_buckets": list(c.buckets), "grammar_compile_seconds_sum": c.seconds_sum,
-        }
+        return scheduler_stats(self, req_id)
 
     def take_messages(self) -> list[RequestRejected | PinDone | TokenBatchOut]:
         """What the scheduler has for the front since the last call, in the order to send it:
@@ -737,7 +672,7 @@ class Scheduler:
             req.prompt_logprobs_complete()
         self._end(req, finish)
         if req.pin is not None:
-            self._replies.append(self._complete_pin(req, req.pin, finish))
+            self._replies.append(self.pins.complete(req.pin, finish, req.cached_tokens))
             return
         self._outputs.append(self._output(req, [], finish))
 
