@@ -2,11 +2,9 @@
 stands in its life (`RequestPhase`).
 
     WAITING_FOR_GRAMMAR --grammar_compiled--> WAITING --admit--> PREFILLING --progress--> DECODING
-              |                                 ^  |                |    ^-----------------'  |
-              |                                 |  '-- admit --> DECODING (all but the last   |
-              |                                 |                token came from the cache)   |
-              |                                 '------------- retract -----------------------'
-              '--------- end (refused, aborted) --> FINISHED <-- end (stop, length, abort) ----'
+            |                                   ^ '--admit (all but the last token cached)--> DECODING
+            |                                   '------------ retract (PREFILLING, DECODING) ----'
+            '--end--> FINISHED <--end (stop, length, abort: from any phase but FINISHED)
 
 The phase changes only through the methods below; each checks the move is legal and raises
 `IllegalTransition` naming both ends, so a bookkeeping bug fails where it happens instead of
