@@ -154,7 +154,7 @@ class Drive:
 
 def drive(worker, config, prompts: list[list[int]], max_new_tokens: int) -> Drive:
     """Serve `prompts` (all arriving now) to completion with a fresh scheduler on `worker`."""
-    from radixserve.protocol import SamplingParams, TokenizedRequest
+    from radixserve.protocol import SamplingParams, TokenBatchOut, TokenizedRequest
     from radixserve.scheduler.core import Scheduler
 
     sched = Scheduler(config, worker.ready_message(), lambda req: None)
@@ -183,12 +183,11 @@ def drive(worker, config, prompts: list[list[int]], max_new_tokens: int) -> Driv
         else:
             d.prefill_seconds += took
             d.prefill_tokens += sum(n for n in sizes if n > 1)
-        for out in sched.outputs:
+        for out in (o for m in sched.take_messages() if isinstance(m, TokenBatchOut) for o in m.outputs):
             d.output_tokens += len(out.new_token_ids)
             if out.new_token_ids and out.rid not in first:
                 first[out.rid] = now - start
                 d.cached_tokens += out.cached_tokens
-        sched.outputs = []
     d.seconds = time.perf_counter() - start
     d.ttft = sorted(first.values())
     return d

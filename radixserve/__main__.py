@@ -34,6 +34,9 @@ from radixserve.config import (
     ServerConfig,
 )
 
+if typing.TYPE_CHECKING:
+    from radixserve.protocol import WorkerInfo
+
 log = logging.getLogger("radixserve")
 
 API_KEY_ENV = "RADIXSERVE_API_KEY"
@@ -254,7 +257,7 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _log_ready(config: ServerConfig, ready: Any, placement: str) -> None:
+def _log_ready(config: ServerConfig, ready: WorkerInfo, placement: str) -> None:
     host = f"[{config.host}]" if ":" in config.host else config.host
     log.info(
         "model %s (%s), dtype %s, device %s, CPU ISA %s, context %d tokens",

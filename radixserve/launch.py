@@ -19,7 +19,7 @@ from radixserve.config import ServerConfig
 from radixserve.ipc import Endpoints, Sender
 from radixserve.kernels import isa
 from radixserve.placement import Placement, plan, start_pinned
-from radixserve.protocol import SchedulerReady, Shutdown
+from radixserve.protocol import SchedulerReady, Shutdown, WorkerInfo
 from radixserve.scheduler.process import run_scheduler
 from radixserve.worker.process import run_worker
 
@@ -112,7 +112,7 @@ class Backend:
     def processes(self) -> list[mp.process.BaseProcess]:
         return [self.scheduler, self.worker]
 
-    def start(self) -> SchedulerReady:
+    def start(self) -> WorkerInfo:
         """Start both processes and wait until the model is loaded. Raises StartupError."""
         try:
             return self._start()
@@ -120,7 +120,7 @@ class Backend:
             self.stop()
             raise
 
-    def _start(self) -> SchedulerReady:
+    def _start(self) -> WorkerInfo:
         with _main_module_hidden():
             self.worker.start()  # pins itself (run_worker), every thread, before torch loads
             start_pinned(self.scheduler, self.placement.service_cpus)
@@ -128,7 +128,7 @@ class Backend:
         decoder = msgspec.msgpack.Decoder(SchedulerReady)
         while time.monotonic() < deadline and not self._stopping:
             if self.receiver.poll(200):
-                return decoder.decode(self.receiver.recv())
+                return decoder.decode(self.receiver.recv()).worker
             dead = [p for p in self.processes if not p.is_alive()]
             if dead:
                 raise StartupError(

@@ -291,8 +291,9 @@ class PinList(msgspec.Struct, tag=True):
     pins: list[PinInfo]
 
 
-class SchedulerReady(msgspec.Struct, tag=True):
-    """Sent once the worker has loaded the model; what the front must know to validate requests."""
+class WorkerInfo(msgspec.Struct, frozen=True):
+    """What the worker loaded: told to the scheduler (`WorkerReady`), which passes it on to the
+    front (`SchedulerReady`) to validate requests and describe the server."""
 
     total_pages: int
     page_size: int
@@ -303,6 +304,12 @@ class SchedulerReady(msgspec.Struct, tag=True):
     dtype: str
     device: str
     cpu_isa: str  # the CPU ISA tier the worker's kernels use (kernels/isa.py)
+
+
+class SchedulerReady(msgspec.Struct, tag=True):
+    """Sent once the worker has loaded the model."""
+
+    worker: WorkerInfo
 
 
 SchedulerToFront = (
@@ -405,15 +412,7 @@ class ForwardResult(msgspec.Struct, tag=True):
 
 
 class WorkerReady(msgspec.Struct, tag=True):
-    total_pages: int
-    page_size: int
-    context_len: int
-    vocab_size: int
-    eos_token_ids: list[int]
-    model_path: str
-    dtype: str
-    device: str
-    cpu_isa: str  # the CPU ISA tier the worker's kernels use (kernels/isa.py)
+    info: WorkerInfo  # the front gets this too (SchedulerReady)
     # with --kv-disk-dir: the start of every page-key chain (cache/disk_index.py), the pages
     # its directory holds (least recently used first) and what one costs on disk
     kv_model_key: bytes = b""

@@ -15,10 +15,13 @@ from radixserve.protocol import (
     ChunkResult,
     ForwardBatch,
     ForwardResult,
+    RequestOutput,
     RequestRejected,
     ResumedSample,
     SamplingParams,
+    TokenBatchOut,
     TokenizedRequest,
+    WorkerInfo,
     WorkerReady,
 )
 from radixserve.scheduler.core import Scheduler
@@ -69,9 +72,14 @@ class FakeWorker:
 
 def make(page_size: int = 4, pages: int = 256, **options) -> tuple[Scheduler, FakeWorker]:
     config = ServerConfig(page_size=page_size, debug_checks=True, **options)
-    ready = WorkerReady(pages, page_size, pages * page_size, 1000, [EOS], "fake", "float32", "cpu", "avx2")
+    ready = WorkerReady(WorkerInfo(pages, page_size, pages * page_size, 1000, [EOS], "fake", "float32", "cpu", "avx2"))
     sched = Scheduler(config, ready, lambda req: None)
     return sched, FakeWorker(config.max_running_requests, pages, page_size)
+
+
+def take_outputs(sched: Scheduler) -> list[RequestOutput]:
+    """The samples' outputs among what the scheduler has for the front (`take_messages`)."""
+    return [out for m in sched.take_messages() if isinstance(m, TokenBatchOut) for out in m.outputs]
 
 
 _RIDS: dict[str, int] = {}
@@ -100,13 +108,12 @@ def run(sched: Scheduler, worker: FakeWorker, max_steps: int = 10_000) -> dict[t
         batch = sched.build_batch()
         if batch is not None:
             sched.process_result(worker.step(batch))
-        for out in sched.outputs:
+        for out in take_outputs(sched):
             d = done.setdefault((names[out.rid], out.index), {"tokens": [], "cached": out.cached_tokens, "input_logprobs": []})
             d["tokens"] += out.new_token_ids
             d["input_logprobs"] += out.input_logprobs
             if out.finish is not None:
                 d["finish"] = out.finish
-        sched.outputs = []
         if batch is None:
             break
     assert not sched.has_work
@@ -160,10 +167,9 @@ def run_steps(sched: Scheduler, worker: FakeWorker, arrivals: dict[int, list]) -
             break
         step_tokens.append(sum(len(c.token_ids) for c in batch.chunks))
         sched.process_result(worker.step(batch))
-        for out in sched.outputs:
+        for out in take_outputs(sched):
             if out.new_token_ids:
                 first_token.setdefault(out.rid, step)
-        sched.outputs = []
     sched.kv.check([])
     assert sched.kv.allocator.num_free + sched.kv.cache.stats().cached_pages == sched.kv.total_pages
     return first_token, step_tokens
@@ -229,7 +235,7 @@ def test_lpm_deduplicates_a_burst_over_a_new_document():
     first = sched.build_batch()
     assert [c.rid for c in first.chunks] == [key("q0")]  # the others wait for q0's pages
     sched.process_result(worker.step(first))
-    sched.outputs = []
+    take_outputs(sched)
     done = run(sched, worker)
     assert all(done[f"q{i}", 0]["cached"] == 64 for i in range(1, 4))
 

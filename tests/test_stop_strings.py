@@ -23,7 +23,9 @@ from radixserve.protocol import (
     ForwardBatch,
     ForwardResult,
     SamplingParams,
+    TokenBatchOut,
     TokenizedRequest,
+    WorkerInfo,
     WorkerReady,
 )
 from radixserve.scheduler.core import Scheduler
@@ -61,7 +63,7 @@ class ScriptWorker:
 def serve(smol: Any, script: list[int], sampling: SamplingParams) -> tuple[SampleOutput, list[str]]:
     """Run one request through scheduler and front; the front's final state and each text it showed."""
     config = ServerConfig(page_size=4, debug_checks=True)
-    ready = WorkerReady(64, 4, 256, len(smol), [2], "fake", "float32", "cpu", "avx2")
+    ready = WorkerReady(WorkerInfo(64, 4, 256, len(smol), [2], "fake", "float32", "cpu", "avx2"))
     sched = Scheduler(config, ready, lambda req: StopChecker(smol, req.sampling, req.input_ids) if req.sampling.stop else None)
     assert sched.add_request(TokenizedRequest(0, PROMPT, sampling)) is None
     worker = ScriptWorker(script)
@@ -69,10 +71,11 @@ def serve(smol: Any, script: list[int], sampling: SamplingParams) -> tuple[Sampl
     shown = []
     while (batch := sched.build_batch()) is not None:
         sched.process_result(worker.step(batch))
-        for out in sched.outputs:
-            front.apply(out)
-            shown.append(front.visible_text)
-        sched.outputs = []
+        for message in sched.take_messages():
+            assert isinstance(message, TokenBatchOut)
+            for out in message.outputs:
+                front.apply(out)
+                shown.append(front.visible_text)
     assert front.done
     return front, shown
 

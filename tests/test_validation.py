@@ -370,9 +370,9 @@ class _CharTokenizer:
 
 def build(**fields: Any) -> list[Any]:
     from radixserve.front.validation.inputs import build_requests
-    from radixserve.protocol import SchedulerReady
+    from radixserve.protocol import WorkerInfo
 
-    ready = SchedulerReady(1024, 4, 256, VOCAB, [2], "stub", "float32", "cpu", "avx2")
+    ready = WorkerInfo(1024, 4, 256, VOCAB, [2], "stub", "float32", "cpu", "avx2")
     return build_requests(fields.pop("tokenizer", _CharTokenizer()), ready, fields.pop("limits", LIMITS), **fields)[0]
 
 

@@ -39,11 +39,11 @@ from radixserve.protocol import (
     PinList,
     PinPrefix,
     RequestRejected,
-    SchedulerReady,
     SchedulerStats,
     SchedulerToFront,
     TokenBatchOut,
     UnpinPrefix,
+    WorkerInfo,
 )
 
 log = logging.getLogger("radixserve.front")
@@ -60,7 +60,7 @@ class TokenizerManager:
     request that reuses the label.
     """
 
-    def __init__(self, endpoints: Endpoints, ready: SchedulerReady, tokenizer: Any) -> None:
+    def __init__(self, endpoints: Endpoints, ready: WorkerInfo, tokenizer: Any) -> None:
         self.ready = ready
         self.tokenizer = tokenizer
         self._to_scheduler = self._connect(endpoints)

@@ -42,10 +42,10 @@ from radixserve.http.openai import routes as openai_api
 from radixserve.http.state import ServerState
 from radixserve.http.tenants import Tenants, load_api_key_file
 from radixserve.launch import Backend
-from radixserve.protocol import SchedulerReady
+from radixserve.protocol import WorkerInfo
 
 
-def create_app(config: ServerConfig, backend: Backend, ready: SchedulerReady, tokenizer: Any) -> Starlette:
+def create_app(config: ServerConfig, backend: Backend, ready: WorkerInfo, tokenizer: Any) -> Starlette:
     """The ASGI app over a started backend. The API key (or the keys of --api-key-file), if any,
     guards every route but /health and the chat page's files (which hold no secret)."""
     state = ServerState(config=config, backend=backend, ready=ready, tokenizer=tokenizer)

@@ -21,7 +21,7 @@ from radixserve.front.validation.limits import Limits, request_limits
 from radixserve.http.common import HTTPError, merge
 from radixserve.http.metrics import ServerMetrics
 from radixserve.launch import Backend
-from radixserve.protocol import SchedulerReady
+from radixserve.protocol import WorkerInfo
 
 T = TypeVar("T")
 # Threads that tokenize and render chat templates. The tokenizer releases the GIL, so the event
@@ -36,7 +36,7 @@ class ServerState:
 
     config: ServerConfig
     backend: Backend
-    ready: SchedulerReady
+    ready: WorkerInfo
     tokenizer: Any
     limits: Limits = field(init=False)  # per-request caps; prompts x n capped at the queue's size
     prepare_pool: ThreadPoolExecutor = field(init=False, repr=False)

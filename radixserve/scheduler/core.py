@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -45,6 +44,7 @@ from radixserve.protocol import (
     RequestRejected,
     SamplingParams,
     SchedulerStats,
+    TokenBatchOut,
     TokenizedRequest,
     UnpinPrefix,
     WorkerReady,
@@ -55,7 +55,8 @@ from radixserve.scheduler.kv import KVManager, pages_for
 from radixserve.scheduler.ngram import NgramDrafter
 from radixserve.scheduler.pins import PinRefused, Pins
 from radixserve.scheduler.policy import order_waiting, shares_uncached_prefix
-from radixserve.scheduler.request import Request
+from radixserve.scheduler.request import PromptLogprobs, Request, Speculation
+from radixserve.scheduler.stats import Counters, scheduler_stats
 from radixserve.scheduler.stop import StopChecker
 
 log = logging.getLogger("radixserve.scheduler")
@@ -68,17 +69,6 @@ DEDUP_MIN_TOKENS = 32  # shared uncached prefix worth waiting one prefill for
 ADMISSION_SHARE = 4  # 1/4 of a step's prompt budget goes to short prompts while a long one runs
 
 
-@dataclass
-class Counters:
-    prompt_tokens: int = 0
-    cached_prompt_tokens: int = 0  # from memory and from disk
-    cached_prompt_tokens_disk: int = 0  # of those, loaded from the disk tier
-    generation_tokens: int = 0
-    retractions: int = 0
-    spec_draft_tokens: int = 0
-    spec_accepted_tokens: int = 0
-
-
 class Scheduler:
     def __init__(
         self,
@@ -88,11 +78,12 @@ class Scheduler:
         grammars: GrammarCompiler | None = None,
     ) -> None:
         self.config = config
-        self.page_size = ready.page_size
-        self.context_len = ready.context_len
-        self.eos_token_ids = frozenset(ready.eos_token_ids)
+        info = ready.info
+        self.page_size = info.page_size
+        self.context_len = info.context_len
+        self.eos_token_ids = frozenset(info.eos_token_ids)
         self.kv = KVManager(
-            ready.total_pages, ready.page_size, config.max_running_requests,
+            info.total_pages, info.page_size, config.max_running_requests,
             enable_cache=not config.disable_radix_cache,
         )
         if config.kv_disk_dir and ready.disk_page_bytes:
@@ -110,17 +101,19 @@ class Scheduler:
         self.grammars = grammars
         self.speculative = config.speculative_algorithm == "ngram"
         self._bitmask: Any = None  # one row, refilled for each constrained chunk that samples
-        self._stop_checkers: dict[str, StopChecker] = {}
+        self._worker_keys: set[str] = set()  # the samples the worker holds sampling state for
+        self._aborting: set[int] = set()  # submissions to end at the start of the next step
         # submissions whose sample 0 has not yet sent the prompt's logprobs: their other samples
         # wait, then take the prompt from the cache instead of computing it (and its logprobs) again
         self._prompt_logprobs_pending: set[int] = set()
         self._in_flight: list[tuple[Request, Chunk]] = []  # this step's chunks
         self._in_flight_keys: set[str] = set()
         self._finished_keys: list[str] = []
-        self.outputs: list[RequestOutput] = []
-        self.rejections: list[RequestRejected] = []  # refused after queueing (a bad grammar)
+        # for the front, until `take_messages`
+        self._outputs: list[RequestOutput] = []
+        self._rejections: list[RequestRejected] = []  # refused after queueing (a bad grammar)
+        self._replies: list[PinDone] = []  # pins made in a step
         self.pins = Pins(self.kv, config.max_pinned_fraction)
-        self.replies: list[PinDone] = []  # pins made in a step, for the front
 
     # ------------------------------------------------------------------ requests in
 
@@ -153,6 +146,7 @@ class Scheduler:
                 seed = None if sampling.seed is None else sampling.seed + i
                 sampling = msgspec.structs.replace(sampling, n=1, seed=seed)
             groups = resumed[i].output_groups if resumed else []
+            output_ids = [t for group in groups for t in group]
             req = Request(
                 rid=msg.rid, index=i, input_ids=msg.input_ids, sampling=sampling,
                 namespace=msg.cache_salt or None, arrival=self._arrivals,
@@ -160,15 +154,14 @@ class Scheduler:
                 # the prompt's logprobs are computed once, by sample 0, and shared by the front
                 logprob_start_len=msg.logprob_start_len if i == 0 else -1,
                 top_logprobs_num=msg.top_logprobs_num, grammar_wait=pending,
-                output_ids=[t for group in groups for t in group], isolated=msg.isolate,
+                output_ids=output_ids, isolated=msg.isolate,
+                # reported before the restart: the client keeps that figure
+                admitted=bool(output_ids), cached_tokens=resumed[i].cached_tokens if output_ids else 0,
             )
-            if req.output_ids:  # reported before the restart: the client keeps that figure
-                req.admitted, req.cached_tokens = True, resumed[i].cached_tokens
             self._arrivals += 1
-            checker = self._make_stop_checker(req)
-            if checker is not None:
-                checker.replay(groups)
-                self._stop_checkers[req.key] = checker
+            req.stop_checker = self._make_stop_checker(req)
+            if req.stop_checker is not None:
+                req.stop_checker.replay(groups)
             self.waiting.append(req)
         return None
 
@@ -179,9 +172,8 @@ class Scheduler:
             if req.grammar_wait is not None and self.grammars is not None:
                 self.grammars.give_up(req.grammar_wait)
             self._finish(req, FinishReason("abort", message="aborted"))
-        for req in self.running:
-            if req.rid == rid:
-                req.abort_requested = True
+        if any(r.rid == rid for r in self.running):
+            self._aborting.add(rid)  # ended at the start of the next step (`build_batch`)
 
     def pin(self, order: PinPrefix) -> PinDone | None:
         """Queue a prefix to pin as a prompt-only request (scheduler/pins.py); answered when it
@@ -207,67 +199,21 @@ class Scheduler:
     def list_pins(self, req_id: int) -> PinList:
         return PinList(req_id, self.pins.list())
 
-    def _complete_pin(self, req: Request, finish: FinishReason) -> PinDone:
-        order: PinPrefix = req.pin
-        if finish.type == "abort":
-            return PinDone(order.req_id, error=finish.message or "aborted")
-        keys = self.kv.disk.keys_for(order.input_ids, req.namespace) if self.kv.disk is not None else []
-        try:
-            pin = self.pins.hold(order, keys)
-        except PinRefused as exc:
-            return PinDone(order.req_id, error=str(exc))
-        return PinDone(order.req_id, pin.info(), cached_tokens=req.cached_tokens)
-
     def flush_cache(self, req_id: int) -> FlushCacheDone:
         freed = self.kv.flush()
         return FlushCacheDone(req_id, freed, ok=not self.running)
 
     def stats(self, req_id: int) -> SchedulerStats:
-        cache = self.kv.cache.stats()
-        return SchedulerStats(
-            req_id=req_id,
-            num_running=len(self.running),
-            num_waiting=len(self.waiting),
-            total_pages=self.kv.total_pages,
-            free_pages=self.kv.allocator.num_free,
-            cached_pages=cache.cached_pages,
-            evictable_pages=cache.evictable_pages,
-            running_pages=self.kv.running_pages(),
-            prompt_tokens_total=self.counters.prompt_tokens,
-            cached_prompt_tokens_total=self.counters.cached_prompt_tokens,
-            generation_tokens_total=self.counters.generation_tokens,
-            num_retractions_total=self.counters.retractions,
-            last_step_time=self.last_step_time,
-            spec_draft_tokens_total=self.counters.spec_draft_tokens,
-            spec_accepted_tokens_total=self.counters.spec_accepted_tokens,
-            cached_prompt_tokens_disk_total=self.counters.cached_prompt_tokens_disk,
-            pinned_tokens_memory=self.pins.pinned_tokens("memory"),
-            pinned_tokens_disk=self.pins.pinned_tokens("disk"),
-            **self._grammar_stats(),
-            **self._disk_stats(),
-        )
+        return scheduler_stats(self, req_id)
 
-    def _disk_stats(self) -> dict[str, Any]:
-        disk = self.kv.disk
-        if disk is None:
-            return {}
-        r = disk.report
-        return {
-            "kv_disk_pages": len(disk.index), "kv_disk_bytes": disk.bytes_used,
-            "kv_disk_capacity_bytes": disk.index.capacity * disk.page_bytes,
-            "kv_disk_stored_bytes_total": r.stored_bytes, "kv_disk_loaded_bytes_total": r.loaded_bytes,
-            "kv_disk_store_seconds_total": r.store_seconds, "kv_disk_load_seconds_total": r.load_seconds,
-            "kv_disk_corrupt_pages_total": r.corrupt_pages,
-        }
-
-    def _grammar_stats(self) -> dict[str, Any]:
-        if self.grammars is None:
-            return {}
-        c = self.grammars.counters
-        return {
-            "grammar_compiles_total": c.compiles, "grammar_cache_hits_total": c.cache_hits,
-            "grammar_compile_buckets": list(c.buckets), "grammar_compile_seconds_sum": c.seconds_sum,
-        }
+    def take_messages(self) -> list[RequestRejected | PinDone | TokenBatchOut]:
+        """What the scheduler has for the front since the last call, in the order to send it:
+        refusals of queued requests, pins made, then every sample's outputs in one batch."""
+        messages: list[RequestRejected | PinDone | TokenBatchOut] = [*self._rejections, *self._replies]
+        if self._outputs:
+            messages.append(TokenBatchOut(self._outputs))
+        self._rejections, self._replies, self._outputs = [], [], []
+        return messages
 
     def in_flight_rids(self) -> list[int]:
         """The submissions of the step being built or run (an engine failure's suspects)."""
@@ -284,22 +230,21 @@ class Scheduler:
         if self.running:
             return False
         reading = self.kv.disk is not None and self.kv.disk.waiting_on_reads
-        return all(r.grammar_wait is not None or reading for r in self.waiting)
+        return all(r.waits_for_grammar or reading for r in self.waiting)
 
     def _resolve_grammars(self) -> None:
         """Give waiting samples whose grammar has compiled their matchers; refuse the requests
         whose grammar failed or timed out (a 400 for the client, nothing more)."""
-        for req in [r for r in self.waiting if r.grammar_wait is not None]:
-            if req.finish is not None:
-                continue
+        for req in [r for r in self.waiting if r.waits_for_grammar]:
+            if req.finished:
+                continue  # refused with an earlier sample of its submission
             try:
                 compiled = req.grammar_wait.compiled(self.grammars.timeout, self.grammars.ready_at)
             except GrammarError as exc:
                 self._refuse(req.rid, str(exc))
                 continue
             if compiled is not None:
-                req.matcher = self.grammars.matcher(compiled)
-                req.grammar_wait = None
+                req.grammar_compiled(self.grammars.matcher(compiled))
                 # a resumed sample: its matcher takes the tokens the last engine's accepted
                 if not all(req.matcher.accept_token(t) for t in req.output_ids):
                     self._refuse(req.rid, "the request's output so far no longer fits its grammar")
@@ -311,16 +256,16 @@ class Scheduler:
             self.waiting.remove(req)
             if req.grammar_wait is not None:
                 self.grammars.give_up(req.grammar_wait)
-            req.finish = FinishReason("abort", message=message)
-            self._stop_checkers.pop(req.key, None)
+            req.end(FinishReason("abort", message=message))
         self._prompt_logprobs_pending.discard(rid)
-        self.rejections.append(RequestRejected(rid, message))
+        self._rejections.append(RequestRejected(rid, message))
 
     # ------------------------------------------------------------------ one step
 
     def build_batch(self) -> ForwardBatch | None:
-        for req in [r for r in self.running if r.abort_requested]:
+        for req in [r for r in self.running if r.rid in self._aborting]:
             self._finish(req, FinishReason("abort", message="aborted"))
+        self._aborting.clear()
         self._in_flight, self._in_flight_keys = [], set()
         self.pins.expire(time.time())
         if self.grammars is not None:
@@ -334,8 +279,8 @@ class Scheduler:
         assigned, appended, released = self.kv.take_deltas()
         new_requests = []
         for req, _ in self._in_flight:
-            if not req.worker_knows:
-                req.worker_knows = True
+            if req.key not in self._worker_keys:
+                self._worker_keys.add(req.key)
                 prompt = req.input_ids if req.sampling.repetition_penalty != 1.0 else []
                 # the worker applies a grammar's bitmask, never the grammar: it stays here
                 sampling = req.sampling if req.sampling.grammar is None else msgspec.structs.replace(req.sampling, grammar=None)
@@ -372,7 +317,7 @@ class Scheduler:
         req = next((r for r in self.running if r.isolated), None)
         if req is None:
             # the first that can go (sample 1 of a request may wait for sample 0's prefill)
-            for candidate in [r for r in self.waiting if r.isolated and r.grammar_wait is None]:
+            for candidate in [r for r in self.waiting if r.isolated and not r.waits_for_grammar]:
                 self._admit(self.config.chunk_size, [candidate])
                 if self._in_flight:
                     return True
@@ -449,12 +394,14 @@ class Scheduler:
         for a constrained request: its bitmask holds for one position."""
         if req.matcher is not None:
             return []
-        if req.drafter is None:
+        if req.spec is None:
             c = self.config
-            req.drafter = NgramDrafter(c.speculative_ngram_min_match_window_size, c.speculative_ngram_max_match_window_size)
-            req.draft_pace = DraftPace(c.speculative_num_draft_tokens)
+            req.spec = Speculation(
+                NgramDrafter(c.speculative_ngram_min_match_window_size, c.speculative_ngram_max_match_window_size),
+                DraftPace(c.speculative_num_draft_tokens),
+            )
         room = min(req.sampling.max_new_tokens - len(req.output_ids), self.context_len - req.fill_len) - 1
-        return req.drafter.propose(req.input_ids, req.output_ids, min(req.draft_pace.allow(), room))
+        return req.spec.drafter.propose(req.input_ids, req.output_ids, min(req.spec.pace.allow(), room))
 
     def _schedule_prompts(self, budget: int) -> None:
         """Share the step's prompt-token budget between running prefills and admission.
@@ -498,7 +445,7 @@ class Scheduler:
         for req in candidates:
             if budget <= 0 or not self.kv.has_free_row or len(self.running) >= self.config.max_running_requests:
                 break
-            if req.grammar_wait is not None:
+            if req.waits_for_grammar:
                 continue  # its grammar compiles; the others need not wait for it
             if req.isolated and isolated is None:
                 continue  # it runs alone (_schedule_isolated)
@@ -524,8 +471,7 @@ class Scheduler:
                 break
             self.waiting.remove(req)
             self.running.append(req)
-            if not req.admitted:
-                req.admitted = True
+            if req.admit():
                 req.cached_tokens = matched
                 self.counters.prompt_tokens += len(req.input_ids)
                 self.counters.cached_prompt_tokens += matched
@@ -580,6 +526,7 @@ class Scheduler:
         self._in_flight = [(r, c) for r, c in self._in_flight if r is not req]
         self._in_flight_keys.discard(req.key)
         self.kv.release(req)
+        req.retract()
         self.running.remove(req)
         self.waiting.insert(0, req)
         self.counters.retractions += 1
@@ -622,13 +569,13 @@ class Scheduler:
             if chunk.draft_len:
                 self._take_verified(req, chunk, res)
                 continue
-            req.computed_len += len(chunk.token_ids)
+            req.add_computed(len(chunk.token_ids))
             self._collect_input_logprobs(req, chunk, res)
             if chunk.sample:
                 self._append_token(req, res.next_token_id, res.logprob, res.top_logprobs)
             elif req.computed_len == req.fill_len and req.sampling.max_new_tokens <= len(req.output_ids):
                 self._finish(req, FinishReason("length"))  # max_new_tokens 0: prompt logprobs only
-            if req.finish is None and req.computed_len < req.fill_len:
+            if not req.finished and req.computed_len < req.fill_len:
                 self.kv.cache_progress(req)
         self._in_flight, self._in_flight_keys = [], set()
         if self.config.debug_checks:
@@ -647,26 +594,23 @@ class Scheduler:
         output each (so stops, `max_new_tokens` and the texts of both ends stay per token), and
         pace the request's drafts by how much was accepted."""
         accepted = res.accepted_ids
-        req.computed_len += len(chunk.token_ids) - chunk.draft_len + len(accepted)
+        req.add_computed(len(chunk.token_ids) - chunk.draft_len + len(accepted))
         req.spec_accepted += len(accepted)
         self.counters.spec_draft_tokens += chunk.draft_len
         self.counters.spec_accepted_tokens += len(accepted)
-        req.draft_pace.record(chunk.draft_len, len(accepted))
+        req.spec.pace.record(chunk.draft_len, len(accepted))
         tokens = [*accepted, res.next_token_id]
         logprobs = [*res.accepted_logprobs, res.logprob] if req.return_logprob else [0.0] * len(tokens)
         tops = [*res.accepted_top_logprobs, res.top_logprobs] if req.top_logprobs_num else [[]] * len(tokens)
         for token, logprob, top in zip(tokens, logprobs, tops, strict=True):
             self._append_token(req, token, logprob, top)
-            if req.finish is not None:
+            if req.finished:
                 return
         self.kv.cache_progress(req)
 
     def _append_token(self, req: Request, token: int, logprob: float, top: list[tuple[int, float]]) -> None:
-        req.output_ids.append(token)
-        req.isolated = False  # a crash suspect that samples has cleared itself
+        req.append_output(token)
         self.counters.generation_tokens += 1
-        if req.wants_input_logprobs:
-            req.input_logprobs_done = True
         new_tokens = [token]  # one output, one stop-checker `add`: the front adds the same group
         if req.matcher is not None and not req.matcher.accept_token(token):
             # the worker masked the logits with this matcher's bitmask: only a bug gets here
@@ -679,7 +623,7 @@ class Scheduler:
             out.output_top_logprobs = [top] if req.top_logprobs_num else []
         if finish is not None:
             self._end(req, finish)
-        self.outputs.append(out)
+        self._outputs.append(out)
 
     def _stop_reason(self, req: Request, new_tokens: list[int]) -> FinishReason | None:
         """Why the sample ends with `new_tokens` (its last output), if it does.
@@ -691,7 +635,7 @@ class Scheduler:
         p = req.sampling
         token = new_tokens[-1]
         n_out = len(req.output_ids)
-        checker = self._stop_checkers.get(req.key)
+        checker = req.stop_checker
         if req.matcher is not None and req.matcher.is_terminated():
             return FinishReason("stop", matched=token)  # the grammar ended (on an EOS id): nothing may follow
         if n_out >= p.min_new_tokens:
@@ -714,31 +658,31 @@ class Scheduler:
             cached_tokens=req.cached_tokens, finish=finish,
             spec_accepted_tokens=req.spec_accepted if self.speculative else None,
         )
-        if req.return_logprob and req.input_logprobs_done and not req.input_logprobs_sent:
+        if req.prompt_logprobs is PromptLogprobs.COMPLETE:
             lead = 1 if req.logprob_start_len == 0 else 0  # the first prompt token has no logprob
             out.input_logprobs = [None] * lead + req.input_logprobs
             out.input_top_logprobs = [[]] * lead + req.input_top_logprobs
-            req.input_logprobs_sent = True
+            req.prompt_logprobs_sent()
             self._prompt_logprobs_pending.discard(req.rid)
         return out
 
     def _finish(self, req: Request, finish: FinishReason) -> None:
         """End a request that produced no new token this step (abort, max_new_tokens 0)."""
-        if req.wants_input_logprobs and req.computed_len >= len(req.input_ids):
-            req.input_logprobs_done = True
+        if req.computed_len >= len(req.input_ids):
+            req.prompt_logprobs_complete()
         self._end(req, finish)
         if req.pin is not None:
-            self.replies.append(self._complete_pin(req, finish))
+            self._replies.append(self.pins.complete(req.pin, finish, req.cached_tokens))
             return
-        self.outputs.append(self._output(req, [], finish))
+        self._outputs.append(self._output(req, [], finish))
 
     def _end(self, req: Request, finish: FinishReason) -> None:
-        req.finish = finish
         if req in self.running:
             self.kv.release(req)
             self.running.remove(req)
-        if req.worker_knows:
+        req.end(finish)
+        if req.key in self._worker_keys:
+            self._worker_keys.discard(req.key)
             self._finished_keys.append(req.key)
-        self._stop_checkers.pop(req.key, None)
         if req.index == 0:
             self._prompt_logprobs_pending.discard(req.rid)  # sent, or never will be (abort)

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 from radixserve.cache.base import TreeNode
-from radixserve.protocol import PinInfo, PinPrefix
+from radixserve.protocol import FinishReason, PinDone, PinInfo, PinPrefix
 from radixserve.scheduler.kv import KVManager
 
 
@@ -104,6 +104,19 @@ class Pins:
             pin.keys = keys
         self._pins[pin.pin_id] = pin
         return pin
+
+    def complete(self, order: PinPrefix, finish: FinishReason, cached_tokens: int) -> PinDone:
+        """The reply to a pin order whose prompt-only request just ended (`finish`): the pin
+        held, or why not."""
+        if finish.type == "abort":
+            return PinDone(order.req_id, error=finish.message or "aborted")
+        disk = self.kv.disk
+        keys = disk.keys_for(order.input_ids, order.cache_salt or None) if disk is not None else []
+        try:
+            pin = self.hold(order, keys)
+        except PinRefused as exc:
+            return PinDone(order.req_id, error=str(exc))
+        return PinDone(order.req_id, pin.info(), cached_tokens=cached_tokens)
 
     def release(self, pin_ids: list[int], input_ids: list[int], namespace: str | None) -> list[Pin]:
         """End the pins named, and those of exactly this prefix in this namespace."""

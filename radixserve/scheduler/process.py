@@ -20,7 +20,6 @@ from radixserve.protocol import (
     PinPrefix,
     SchedulerReady,
     Shutdown,
-    TokenBatchOut,
     TokenizedRequest,
     UnpinPrefix,
     WorkerFailed,
@@ -54,13 +53,13 @@ def run_scheduler(config: ServerConfig, endpoints: Endpoints) -> None:
     if not isinstance(ready, WorkerReady):
         log.error("%s", getattr(ready, "message", f"unexpected first message {ready!r}"))
         raise SystemExit(1)
-    tokenizer = _LazyTokenizer(ready.model_path)
+    tokenizer = _LazyTokenizer(ready.info.model_path)
     grammars = GrammarCompiler(
-        tokenizer.get, ready.vocab_size, ready.eos_token_ids, timeout=config.grammar_compile_timeout,
+        tokenizer.get, ready.info.vocab_size, ready.info.eos_token_ids, timeout=config.grammar_compile_timeout,
     )
     threading.Thread(target=grammars.warm_up, name="grammar-warm-up", daemon=True).start()
     scheduler = Scheduler(config, ready, _stop_checker_factory(tokenizer), grammars)
-    to_front.send(SchedulerReady(**{f: getattr(ready, f) for f in SchedulerReady.__struct_fields__}))
+    to_front.send(SchedulerReady(ready.info))
 
     def forward(batch: ForwardBatch) -> ForwardResult:
         to_worker.send(batch)
@@ -88,15 +87,8 @@ def run_scheduler(config: ServerConfig, endpoints: Endpoints) -> None:
                 cleanup = scheduler.pending_worker_cleanup()
                 if cleanup is not None:
                     scheduler.absorb_worker_report(forward(cleanup))
-            for rejected in scheduler.rejections:
-                to_front.send(rejected)
-            scheduler.rejections = []
-            for reply in scheduler.replies:
-                to_front.send(reply)
-            scheduler.replies = []
-            if scheduler.outputs:
-                to_front.send(TokenBatchOut(scheduler.outputs))
-                scheduler.outputs = []
+            for out in scheduler.take_messages():
+                to_front.send(out)
     except WorkerDied as exc:
         log.error("worker failed: %s", exc)
         _report_failure(to_front, f"the worker failed: {exc}", scheduler)

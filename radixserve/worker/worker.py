@@ -18,7 +18,14 @@ from radixserve.attention import create_backend
 from radixserve.attention.kv_pool import KVPool
 from radixserve.config import ServerConfig
 from radixserve.kernels import isa
-from radixserve.protocol import Chunk, ChunkResult, ForwardBatch, ForwardResult, WorkerReady
+from radixserve.protocol import (
+    Chunk,
+    ChunkResult,
+    ForwardBatch,
+    ForwardResult,
+    WorkerInfo,
+    WorkerReady,
+)
 from radixserve.worker.cuda_graph import graph_batch_sizes
 from radixserve.worker.device import dtype_name, resolve_device, resolve_dtype
 from radixserve.worker.kv_disk import DiskStore, model_key
@@ -90,15 +97,17 @@ class Worker:
 
     def ready_message(self) -> WorkerReady:
         return WorkerReady(
-            total_pages=self.pool.num_pages,
-            page_size=self.pool.page_size,
-            context_len=self.context_len,
-            vocab_size=self.vocab_size,
-            eos_token_ids=self.eos_token_ids,
-            model_path=self.model_path,
-            dtype=dtype_name(self.dtype),
-            device=str(self.device),
-            cpu_isa=str(isa.selected_tier()),
+            WorkerInfo(
+                total_pages=self.pool.num_pages,
+                page_size=self.pool.page_size,
+                context_len=self.context_len,
+                vocab_size=self.vocab_size,
+                eos_token_ids=self.eos_token_ids,
+                model_path=self.model_path,
+                dtype=dtype_name(self.dtype),
+                device=str(self.device),
+                cpu_isa=str(isa.selected_tier()),
+            ),
             kv_model_key=self.disk.key if self.disk else b"",
             disk_pages=self.disk_pages,
             disk_page_bytes=self.disk.file_bytes if self.disk else 0,

@@ -17,13 +17,13 @@ from radixserve.front.validation.sampling import (
     parse_sampling_params,
     validate_input_ids,
 )
-from radixserve.protocol import PIN_TIERS, SchedulerReady
+from radixserve.protocol import PIN_TIERS, WorkerInfo
 from radixserve.tokenizer import encode
 
 
 def build_requests(
     tokenizer: Any,
-    ready: SchedulerReady,
+    ready: WorkerInfo,
     limits: Limits,
     *,
     text: str | list[str] | None = None,
@@ -71,7 +71,7 @@ def build_requests(
 
 
 def build_prefix(
-    tokenizer: Any, ready: SchedulerReady, limits: Limits, *, text: Any = None, input_ids: Any = None,
+    tokenizer: Any, ready: WorkerInfo, limits: Limits, *, text: Any = None, input_ids: Any = None,
     cache_salt: Any = None,
 ) -> tuple[list[int], str | None]:
     """One prefix to pin (``/cache/pin``, ``/cache/unpin``): its token ids, checked as a

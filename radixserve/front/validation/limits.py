@@ -6,7 +6,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from radixserve.config import ServerConfig
-from radixserve.protocol import SchedulerReady
+from radixserve.protocol import WorkerInfo
 from radixserve.tokenizer import prompt_char_limit
 
 
@@ -37,7 +37,7 @@ class Limits:
                 raise ValueError(f"Limits.{f.name} must be a positive integer, got {value!r}")
 
 
-def request_limits(config: ServerConfig, ready: SchedulerReady, tokenizer: Any) -> Limits:
+def request_limits(config: ServerConfig, ready: WorkerInfo, tokenizer: Any) -> Limits:
     """The per-request caps of a server or `Engine`: prompts x n at most the queue's size, and
     no text longer than the context could possibly hold (`prompt_char_limit`)."""
     return Limits(
