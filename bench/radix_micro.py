@@ -19,13 +19,13 @@ its starting size between requests (untimed), so it stays at ~1M tokens. Evictio
 
 from __future__ import annotations
 
-import argparse
 import gc
 import random
 import statistics
 import time
 from dataclasses import dataclass
 
+from bench.common import new_parser
 from radixserve.cache import PageAllocator, RadixTree
 
 VOCAB = 32_000
@@ -188,7 +188,7 @@ def print_table(rows: list[Row]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = new_parser(__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)

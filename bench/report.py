@@ -10,13 +10,13 @@ Writes `<stem>_report.md`, `<stem>_throughput.png` (output tokens/s per workload
 
 from __future__ import annotations
 
-import argparse
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.common import new_parser
 from bench.serving import RunResult, load_results, markdown_table
 
 OURS, CACHE_OFF = "radixserve", "radixserve cache off"
@@ -226,7 +226,7 @@ def make_report(results: Path, out_dir: Path | None = None) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = new_parser(__doc__)
     parser.add_argument("results", type=Path)
     parser.add_argument("--out-dir", type=Path)
     args = parser.parse_args(argv)

@@ -1,6 +1,6 @@
 """An HTTP fuzzer over every route of a running server, with an oracle checked as it goes.
 
-    python -m bench.fuzz --requests 10000                   # starts `serve --model default --dtype float32`
+    python -m bench.fuzz --requests 10000                   # starts `serve --model default --dtype auto`
     python -m bench.fuzz --requests 10000 --model tiny      # a 2-layer random model, same tokenizer: fast
     python -m bench.fuzz --url http://127.0.0.1:30000 --requests 500
 
