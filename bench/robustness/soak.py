@@ -1,5 +1,6 @@
-"""`python -m bench.soak`: hundreds of concurrent streams for minutes, clients hanging up at random
-and the worker killed mid-run; nothing may be lost.
+"""`python -m bench.robustness.soak`: hundreds of concurrent streams for minutes, clients hanging
+up at random and the worker killed mid-run; nothing may be lost. A robustness tool, not a
+benchmark: its figures say whether anything was lost, not how fast.
 
 Each of `--clients` client loops sends one streaming `/generate` after another (a slice of real
 text, `ignore_eos`, a known number of tokens, greedy or seeded) until `--duration` passes; about a
@@ -196,7 +197,7 @@ async def soak(url: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> int:
-    p = new_parser(__doc__, prog="python -m bench.soak")
+    p = new_parser(__doc__, prog="python -m bench.robustness.soak")
     p.add_argument("--url", help="a running server (default: start one)")
     p.add_argument("--clients", type=int, default=500)
     p.add_argument("--duration", type=float, default=300.0, help="seconds")
@@ -210,7 +211,7 @@ def main() -> int:
     with contextlib.ExitStack() as stack:
         url = args.url
         if url is None:
-            from bench.fuzz.__main__ import tiny_model
+            from bench.robustness.fuzz.__main__ import tiny_model
 
             work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="soak-")))
             model = str(tiny_model(work / "tiny")) if args.model == "tiny" else args.model

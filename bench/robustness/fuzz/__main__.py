@@ -1,5 +1,5 @@
-"""`python -m bench.fuzz`: start a server (or use --url), draw a plan, run it, print and write the
-figures; exit code 1 if anything was found."""
+"""`python -m bench.robustness.fuzz`: start a server (or use --url), draw a plan, run it, print
+and write the figures; exit code 1 if anything was found."""
 
 from __future__ import annotations
 
@@ -13,14 +13,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench.common import add_model, add_out, add_server_arg, launch_server, new_parser
-from bench.fuzz import __doc__ as overview
-from bench.fuzz.plan import draw_plan
-from bench.fuzz.request import Target
-from bench.fuzz.run import Report, print_report, run_plan
+from bench.robustness.fuzz import __doc__ as overview
+from bench.robustness.fuzz.plan import draw_plan
+from bench.robustness.fuzz.request import Target
+from bench.robustness.fuzz.run import Report, print_report, run_plan
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = new_parser(overview, prog="python -m bench.fuzz")
+    p = new_parser(overview, prog="python -m bench.robustness.fuzz")
     p.add_argument("--url", help="a running server (default: start one)")
     p.add_argument("--requests", type=int, default=10_000)
     p.add_argument("--seed", type=int, default=0, help="the plan's seed: the same seed, the same requests")
