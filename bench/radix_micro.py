@@ -40,7 +40,8 @@ TURNS = (PROMPT_TOKENS - SYSTEM_TOKENS) // TURN_TOKENS - 1  # 27: room for one n
 TARGET_CACHED_TOKENS = 1_000_000
 EVICT_PAGES = 1_000
 
-# Targets from the issue (this 2-core machine); evict has none there, ours is ours.
+# Latency targets on this 2-core machine: a 4k-token match+insert within 0.5 ms at page size 16,
+# 1 ms at page size 1; evicting 1,000 pages within 1 ms is a bar of our own.
 TARGET_MS = {("match+insert", 16): 0.5, ("match+insert", 1): 1.0}
 EVICT_TARGET_MS = 1.0
 

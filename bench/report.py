@@ -56,7 +56,9 @@ def _ratio(runs: Sequence[RunResult], workload: str, a: str, b: str, key: str = 
 
 
 def targets(runs: Sequence[RunResult]) -> list[Target]:
-    """The suite's targets (issue 7), computed from the runs that are there."""
+    """The suite's targets (the ratio each comparison must reach: radixserve against the
+    transformers baselines and against itself with the prefix cache off), computed from the runs
+    that are there."""
     rag = _find(runs, "rag", OURS)
     warm_cold = (rag.metrics["mean_ttft_warm_ms"] / rag.metrics["mean_ttft_cold_ms"]) if rag else math.nan
     return [

@@ -14,8 +14,9 @@ long documents, many short questions on each, in a shuffled order) goes through 
 
 Every replica's cache is flushed before each system. Reported per system: the fraction of prompt
 tokens served from the prefix cache and the TTFT (bench/serving.py's metrics), plus the ratios
-the issue asks for: cache_aware's hit fraction over the single replica's (target >= 0.9), and
-cache_aware against round_robin on hit fraction and mean TTFT (target: better on both). Results:
+that say whether cache-aware routing keeps the prefix cache's gain: cache_aware's hit fraction
+over the single replica's (target >= 0.9), and cache_aware against round_robin on hit fraction
+and mean TTFT (target: better on both). Results:
 bench/results/router.json and .md; figures in docs/benchmarks.md.
 """
 
@@ -57,7 +58,7 @@ def cpu_model() -> str:
 
 
 def ratios(runs: Sequence[serving.RunResult]) -> dict[str, float]:
-    """The issue's comparisons, from the three systems' metrics."""
+    """The routing comparisons (the module's docstring), from the three systems' metrics."""
     by = {r.system: r.metrics for r in runs}
     one, ca, rr = by["1 replica"], by["2 replicas cache_aware"], by["2 replicas round_robin"]
     return {
