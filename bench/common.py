@@ -72,7 +72,7 @@ class ServerProcess:
         where = f" (whole log: {self.log_path})" if self.log_path else ""
         return f"{where}:\n{self.log()[-LOG_TAIL:]}"
 
-    def wait_healthy(self, timeout: float = 300.0) -> ServerProcess:
+    def wait_healthy(self, timeout: float = 180.0) -> ServerProcess:
         """Until /health answers 200; a RuntimeError if the server exits first, a TimeoutError
         after `timeout` seconds, each quoting the end of its log."""
         deadline = time.monotonic() + timeout
