@@ -40,16 +40,18 @@ serve-replicas: setup
 bench: setup
 	$(BIN)/python -m bench.suite --out-dir bench/results
 
-# The HTTP fuzzer's long run (bench/fuzz/): 10,000 valid and hostile requests over every route
-# of a server it starts on a tiny random model with the default tokenizer (minutes; --model default
-# serves the real model, 8 to 10 minutes on 2 cores); figures in bench/results/fuzz.json.
+# The HTTP fuzzer's long run (bench/robustness/fuzz/), a robustness check, not a benchmark:
+# 10,000 valid and hostile requests over every route of a server it starts on a tiny random
+# model with the default tokenizer (minutes; --model default serves the real model, 8 to 10
+# minutes on 2 cores); figures in bench/results/fuzz.json.
 fuzz: setup
-	$(BIN)/python -m bench.fuzz --requests 10000 --model tiny
+	$(BIN)/python -m bench.robustness.fuzz --requests 10000 --model tiny
 
-# The soak of issue 18 (bench/soak.py): 500 concurrent streams for 5 minutes, a third hanging
-# up, the worker SIGKILLed twice; nothing may be lost. Figures in bench/results/soak.json.
+# The soak (bench/robustness/soak.py), a robustness check, not a benchmark: 500 concurrent streams
+# for 5 minutes, a third hanging up, the worker SIGKILLed twice; nothing may be lost (no lost
+# request, no 5xx, KV pages balanced, memory flat). Figures in bench/results/soak.json.
 soak: setup
-	$(BIN)/python -m bench.soak
+	$(BIN)/python -m bench.robustness.soak
 
 lint: setup
 	$(BIN)/ruff check radixserve frontend_lang tests bench examples

@@ -22,19 +22,9 @@ from typing import Any
 
 import torch
 
+from bench.common import StepClock
 from bench.serving import Progress, RequestRecord, RunResult, summarize
 from bench.workloads import Node, Workload
-
-
-class StepClock:
-    """A logits processor that only records when each step's logits were ready."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        self.times.append(time.perf_counter())
-        return scores
 
 
 class HFBaseline:

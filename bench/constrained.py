@@ -17,18 +17,24 @@ a 2-core machine one run's rate moves by several percent from the next.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 
+from bench.common import (
+    add_model,
+    add_out,
+    flush_cache,
+    launch_server,
+    new_parser,
+    read_metric_totals,
+)
 from bench.corpus import QUESTIONS
-from bench.serving import emit_json, flush_cache, launch_server, metric_totals
+from bench.serving import emit_json
 from radixserve.kernels import isa
 
 SCHEMA = {
@@ -40,10 +46,6 @@ SCHEMA = {
     },
 }
 METRICS = ("radixserve_grammar_compiles_total", "radixserve_grammar_cache_hits_total")
-
-
-def _metrics(client: httpx.Client) -> dict[str, float]:
-    return metric_totals(client.get("/metrics").text, METRICS)
 
 
 def run(url: str, requests: int, concurrency: int, max_tokens: int, constrained_share: float) -> dict[str, float]:
@@ -75,25 +77,25 @@ def run(url: str, requests: int, concurrency: int, max_tokens: int, constrained_
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="default")
-    parser.add_argument("--dtype", default="auto")
+    parser = new_parser(__doc__)
+    add_model(parser)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3,
                         help="half-constrained runs, each between two unconstrained ones; the ratio is their median")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/constrained.json"))
+    add_out(parser, "bench/results/constrained.json")
     args = parser.parse_args(argv)
-    with launch_server(args.model, "--dtype", args.dtype) as url, httpx.Client(base_url=url, timeout=60) as client:
+    with launch_server(args.model, "--dtype", args.dtype) as server:
+        url = server.url
         run(url, args.concurrency, args.concurrency, 8, 0.5)  # warm-up: the schema's compile, the kernels
-        before = _metrics(client)
+        before = read_metric_totals(url, METRICS)
         free = [run(url, args.requests, args.concurrency, args.max_tokens, 0.0)]
         half = []
         for _ in range(args.rounds):  # U H U H ... U: each H against the mean of its neighbours
             half.append(run(url, args.requests, args.concurrency, args.max_tokens, 0.5))
             free.append(run(url, args.requests, args.concurrency, args.max_tokens, 0.0))
-        after = _metrics(client)
+        after = read_metric_totals(url, METRICS)
     rate = [r["output_tokens_per_s"] for r in free]
     ratios = [h["output_tokens_per_s"] / ((rate[k] + rate[k + 1]) / 2) for k, h in enumerate(half)]
     result = {

@@ -19,7 +19,6 @@ the model uses is `kernels.cpu.prefill_attention_serves` and `linear_serves`.
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 from collections.abc import Callable
@@ -27,6 +26,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from bench.common import new_parser
 from bench.model_runner import machine
 from radixserve.kernels import cpu as cpu_kernels
 from radixserve.kernels import isa
@@ -121,7 +121,7 @@ def linears(dtype: torch.dtype, rows: int, repeats: int) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = new_parser(__doc__)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--isa", choices=[str(t) for t in isa.Tier], help="the ISA tier to run at (default: the machine's)")
     args = parser.parse_args()

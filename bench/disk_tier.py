@@ -30,8 +30,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from bench.common import add_documents, add_model, add_out, add_page_size, launch_server, new_parser
 from bench.router import cpu_model
-from bench.serving import emit_json, launch_server, load_tokenizer, run_workload
+from bench.serving import emit_json, load_tokenizer, run_workload
 from bench.workloads import Workload, build
 
 
@@ -43,8 +44,8 @@ def _serve_options(args: argparse.Namespace, disk: Path | None) -> list[str]:
 
 
 def _thrash_run(args: argparse.Namespace, workload: Workload, disk: Path | None) -> dict[str, float]:
-    with launch_server(args.model, *_serve_options(args, disk)) as url:
-        result = asyncio.run(run_workload(url, workload, concurrency=args.concurrency, progress=False,
+    with launch_server(args.model, *_serve_options(args, disk)) as server:
+        result = asyncio.run(run_workload(server.url, workload, concurrency=args.concurrency, progress=False,
                                           system="disk tier on" if disk else "memory only"))
     m = result.metrics
     assert m["errors"] == 0, f"{m['errors']} requests failed"
@@ -69,32 +70,29 @@ def _other_questions(workload: Workload) -> Workload:
 def _restart_round(args: argparse.Namespace, first: Workload, second: Workload) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="radixserve-disk-") as tmp:
         disk = Path(tmp) / "kv"
-        with launch_server(args.model, *_serve_options(args, disk)) as url:
-            _first_requests(url, first)  # computes every document; the pool sends them to disk
+        with launch_server(args.model, *_serve_options(args, disk)) as server:
+            _first_requests(server.url, first)  # computes every document; the pool sends them to disk
         start = time.perf_counter()
-        with launch_server(args.model, *_serve_options(args, disk), flush=False) as url:
+        with launch_server(args.model, *_serve_options(args, disk), flush=False) as server:
             restart_s = time.perf_counter() - start
-            warm = _first_requests(url, second)
-    with launch_server(args.model, *_serve_options(args, None)) as url:
-        cold = _first_requests(url, second)
+            warm = _first_requests(server.url, second)
+    with launch_server(args.model, *_serve_options(args, None)) as server:
+        cold = _first_requests(server.url, second)
     return {"restart_ttft_ms": 1000 * statistics.mean(warm), "cold_ttft_ms": 1000 * statistics.mean(cold),
             "ratio": statistics.mean(warm) / statistics.mean(cold), "restart_to_healthy_s": restart_s}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="default")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--docs", type=int, default=4)
-    parser.add_argument("--doc-tokens", type=int, default=600)
-    parser.add_argument("--questions", type=int, default=3)
+    parser = new_parser(__doc__)
+    add_model(parser)
+    add_page_size(parser)
+    add_documents(parser, docs=4, doc_tokens=600, questions=3)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=2)
     parser.add_argument("--kv-pages", type=int, default=96,
                         help="the pool: the requests in flight fit, the documents (about 2,600 tokens) do not")
     parser.add_argument("--rounds", type=int, default=2, help="off/on pairs of each measurement")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/disk_tier.json"))
+    add_out(parser, "bench/results/disk_tier.json")
     args = parser.parse_args(argv)
 
     tokenizer = load_tokenizer(args.model)

@@ -20,6 +20,7 @@ import json
 import time
 from typing import Any
 
+from bench.common import add_documents, add_model, new_parser
 from bench.corpus import documents, question
 from radixserve import Engine
 
@@ -63,12 +64,9 @@ def run_system(name: str, options: dict[str, Any], args: argparse.Namespace) -> 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="default")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--docs", type=int, default=8)
-    parser.add_argument("--doc-tokens", type=int, default=1000)
-    parser.add_argument("--questions", type=int, default=8)
+    parser = new_parser(__doc__)
+    add_model(parser)
+    add_documents(parser, docs=8, doc_tokens=1000, questions=8)
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--chunk-size", type=int, default=512)
     parser.add_argument("--json", help="also write the rows to this file")

@@ -15,11 +15,11 @@ build after another; FlashInfer's file locks keep them from building the same mo
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
 
+from bench.common import new_parser
 from radixserve.attention.base import AttentionBatch, AttentionShape
 from radixserve.attention.flashinfer_backend import FlashInferBackend
 from radixserve.attention.kv_pool import KVPool
@@ -44,7 +44,7 @@ def build(dtype: torch.dtype, group: int, head_dim: int = 128) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = new_parser(__doc__)
     parser.add_argument("dtype", choices=["bfloat16", "float16"])
     parser.add_argument("group", type=int, help="num_heads / num_kv_heads")
     args = parser.parse_args()

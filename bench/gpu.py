@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from bench.common import StepClock, add_dtype, add_page_size, new_parser, resolved_dtype
+
 PRESETS: dict[str, dict[str, Any]] = {
     "llama3-8b": dict(
         vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -224,19 +226,6 @@ def shared_prefix_prompts(args, vocab: int) -> list[list[int]]:
 # ---------------------------------------------------------------------- transformers
 
 
-class _StepClock:
-    """Logits processor that records when `generate` finished each forward."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.times: list[float] = []
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        _sync(self.device)
-        self.times.append(time.perf_counter())
-        return scores
-
-
 @torch.inference_mode()
 def hf_prefill(model, prompts: list[list[int]], device: torch.device) -> float:
     ids = torch.tensor(prompts, device=device)
@@ -257,7 +246,7 @@ def hf_decode(model, prompts: list[list[int]], steps: int, device: torch.device)
     from transformers import LogitsProcessorList
 
     ids = torch.tensor(prompts, device=device)
-    clock = _StepClock(device)
+    clock = StepClock(device)
     model.generate(
         ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, min_new_tokens=steps,
         do_sample=False, pad_token_id=0, logits_processor=LogitsProcessorList([clock]),
@@ -309,6 +298,7 @@ def _fmt(v: float | None, spec: str, suffix: str = "") -> str:
 def run(args) -> Report:
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     args.device = device.type
+    args.dtype = resolved_dtype(args.dtype, device.type)
     dtype = getattr(torch, args.dtype)
     report = Report(args, Path(args.out))
     t0 = time.perf_counter()
@@ -440,12 +430,12 @@ def _free(device: torch.device) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = new_parser(__doc__, prog="python -m bench.gpu")
     p.add_argument("--out", default="gpu_results", help="folder for results.json and results.md")
     p.add_argument("--preset", choices=sorted(PRESETS), default="llama3-8b", help="model shape")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--page-size", type=int, default=16)
+    add_dtype(p)
+    add_page_size(p)
     p.add_argument("--kv-memory-gb", type=float, default=48.0, help="KV pool of each radixserve worker")
     p.add_argument("--context-len", type=int, default=4096)
     p.add_argument("--prefill-batch", type=int, default=8)

@@ -12,17 +12,16 @@ prompt's whole prefill time divided by a short request's.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import threading
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import httpx
 
+from bench.common import add_model, add_out, flush_cache, launch_server, new_parser
 from bench.corpus import documents
-from bench.serving import emit_json, flush_cache, launch_server, load_tokenizer
+from bench.serving import emit_json, load_tokenizer
 from radixserve.kernels import isa
 
 SHORT_PROMPTS = ["Hello", "Name a colour.", "Count to three.", "What is two plus two?", "Say hi.", "One word: yes"]
@@ -67,16 +66,15 @@ def measure(url: str, long_text: str, repeats: int) -> dict[str, object]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="default")
-    parser.add_argument("--dtype", default="float32")
+    parser = new_parser(__doc__)
+    add_model(parser)
     parser.add_argument("--long-tokens", type=int, default=6000)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=Path("bench/results/head_of_line.json"))
+    add_out(parser, "bench/results/head_of_line.json")
     args = parser.parse_args(argv)
     long_text = documents(load_tokenizer(args.model), 1, args.long_tokens)[0]
-    with launch_server(args.model, "--dtype", args.dtype) as url:
-        result = measure(url, long_text, args.repeats)
+    with launch_server(args.model, "--dtype", args.dtype) as server:
+        result = measure(server.url, long_text, args.repeats)
     result.update(model=args.model, dtype=args.dtype, long_tokens=args.long_tokens, cpu_isa=str(isa.selected_tier()))
     emit_json(result, args.out)
     return 0

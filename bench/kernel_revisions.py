@@ -15,7 +15,6 @@ checks of drafts of 2, 4, 8 and 16 tokens (3, 5, 9 and 17 rows, all logits).
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import subprocess
 import tempfile
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from bench.common import add_dtype, new_parser, torch_dtype
 from bench.model_runner import Ours, machine
 from radixserve.kernels import cpu as cpu_kernels
 from radixserve.kernels import isa
@@ -70,13 +70,14 @@ def cases(ours: Ours) -> list[tuple[str, Callable[[], torch.Tensor]]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = new_parser(__doc__)
     parser.add_argument("--against", required=True, help="the git revision whose kernels are the baseline")
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    add_dtype(parser, choices=("auto", "float32", "bfloat16"))
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     isa.selected_tier()  # before torch's first matmul: it caps torch's kernels for a lower tier
-    ours = Ours(getattr(torch, args.dtype))
+    dtype = torch_dtype(args.dtype)
+    ours = Ours(dtype)
     here = cpu_kernels.load_library()
     with tempfile.TemporaryDirectory() as tmp:
         baseline = build_revision(args.against, Path(tmp))
@@ -84,7 +85,7 @@ def main() -> None:
             raise SystemExit(f"{args.against} packs linear weights in panels of {baseline.linear_panel_width()} columns, "
                              f"this checkout in {here.linear_panel_width()}: not comparable")
         libraries = {args.against: baseline, "this checkout": here}
-        print(machine(), f"{args.dtype}, median of {args.repeats}")
+        print(machine(), f"{str(dtype).removeprefix('torch.')}, median of {args.repeats}")
         print(f"| case | {args.against} ms | this checkout ms | ratio (time) | max logit difference |")
         print("|---|---:|---:|---:|---:|", flush=True)
         real_load = cpu_kernels.load_library

@@ -14,7 +14,6 @@ torch's own kernels capped to it: radixserve/kernels/isa.py); the default is the
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -23,7 +22,7 @@ from collections.abc import Iterator
 
 import torch
 
-from bench.baselines import StepClock
+from bench.common import StepClock, new_parser
 from radixserve.attention.kv_pool import KVPool
 from radixserve.attention.torch_native import TorchNativeBackend
 from radixserve.kernels import isa
@@ -153,7 +152,7 @@ def machine() -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = new_parser(__doc__)
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
                         help="float32, bfloat16, or auto (what --dtype auto picks on the tier)")
     parser.add_argument("--decode-steps", type=int, default=16)

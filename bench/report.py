@@ -10,13 +10,13 @@ Writes `<stem>_report.md`, `<stem>_throughput.png` (output tokens/s per workload
 
 from __future__ import annotations
 
-import argparse
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.common import new_parser
 from bench.serving import RunResult, load_results, markdown_table
 
 OURS, CACHE_OFF = "radixserve", "radixserve cache off"
@@ -56,7 +56,9 @@ def _ratio(runs: Sequence[RunResult], workload: str, a: str, b: str, key: str = 
 
 
 def targets(runs: Sequence[RunResult]) -> list[Target]:
-    """The suite's targets (issue 7), computed from the runs that are there."""
+    """The suite's targets (the ratio each comparison must reach: radixserve against the
+    transformers baselines and against itself with the prefix cache off), computed from the runs
+    that are there."""
     rag = _find(runs, "rag", OURS)
     warm_cold = (rag.metrics["mean_ttft_warm_ms"] / rag.metrics["mean_ttft_cold_ms"]) if rag else math.nan
     return [
@@ -226,7 +228,7 @@ def make_report(results: Path, out_dir: Path | None = None) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = new_parser(__doc__)
     parser.add_argument("results", type=Path)
     parser.add_argument("--out-dir", type=Path)
     args = parser.parse_args(argv)

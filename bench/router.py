@@ -14,14 +14,14 @@ long documents, many short questions on each, in a shuffled order) goes through 
 
 Every replica's cache is flushed before each system. Reported per system: the fraction of prompt
 tokens served from the prefix cache and the TTFT (bench/serving.py's metrics), plus the ratios
-the issue asks for: cache_aware's hit fraction over the single replica's (target >= 0.9), and
-cache_aware against round_robin on hit fraction and mean TTFT (target: better on both). Results:
+that say whether cache-aware routing keeps the prefix cache's gain: cache_aware's hit fraction
+over the single replica's (target >= 0.9), and cache_aware against round_robin on hit fraction
+and mean TTFT (target: better on both). Results:
 bench/results/router.json and .md; figures in docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import platform
 import subprocess
@@ -32,26 +32,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-from bench.serving import (
-    RunResult,
-    flush_cache,
-    free_port,
-    load_tokenizer,
-    markdown_table,
-    metric_totals,
-    parse_sizes,
-    run_workload,
-    warm_up,
-    write_results,
-)
+from bench import common, serving
 from bench.suite import DEFAULT_SIZES, QUICK_SIZES
 from bench.workloads import build
 from radixserve.placement import format_cpu_list
 from radixserve.replicas import ROUTER_VERSION, Replica, Router, router_available, split_cores
 
-HOST = "127.0.0.1"
 SYSTEMS: tuple[tuple[str, int, str], ...] = (  # label, replicas routed to, policy
     ("1 replica", 1, "cache_aware"),
     ("2 replicas cache_aware", 2, "cache_aware"),
@@ -71,8 +57,8 @@ def cpu_model() -> str:
     return platform.machine()
 
 
-def ratios(runs: Sequence[RunResult]) -> dict[str, float]:
-    """The issue's comparisons, from the three systems' metrics."""
+def ratios(runs: Sequence[serving.RunResult]) -> dict[str, float]:
+    """The routing comparisons (the module's docstring), from the three systems' metrics."""
     by = {r.system: r.metrics for r in runs}
     one, ca, rr = by["1 replica"], by["2 replicas cache_aware"], by["2 replicas round_robin"]
     return {
@@ -94,46 +80,45 @@ def verdict(r: dict[str, float]) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="default")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    parser = common.new_parser(__doc__)
+    common.add_model(parser)
     parser.add_argument("--size", action="append", default=[], help="override a rag size, KEY=VALUE (repeatable)")
     parser.add_argument("--quick", action="store_true", help="a handful of requests (smoke test)")
-    parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--seed", type=int, default=0)
+    common.add_load(parser)
     parser.add_argument("--threads-per-replica", type=int, default=1, help="cores (one thread each) per replica's worker")
-    parser.add_argument("--server-arg", action="append", default=[], help="more `serve` options for every replica")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/router.json"))
+    common.add_server_arg(parser, help="more `serve` options for every replica")
+    common.add_out(parser, "bench/results/router.json")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
+    args.dtype = common.resolved_dtype(args.dtype)  # the replicas run on CPU cores; named in the results
     if not router_available():
         parser.error(f"sglang-router is not installed: pip install 'radixserve[router]' (sglang-router=={ROUTER_VERSION})")
     started = time.perf_counter()
-    sizes = {**(QUICK_SIZES if args.quick else DEFAULT_SIZES)["rag"], **parse_sizes(args.size)}
-    workload = build("rag", load_tokenizer(args.model), seed=args.seed, **sizes)
+    sizes = {**(QUICK_SIZES if args.quick else DEFAULT_SIZES)["rag"], **serving.parse_sizes(args.size)}
+    workload = build("rag", serving.load_tokenizer(args.model), seed=args.seed, **sizes)
     print(workload.describe(), file=sys.stderr)
     slices, spare = split_cores(2, args.threads_per_replica)
     log_dir = Path(tempfile.mkdtemp(prefix="radixserve-bench-router-"))
     options = ["--dtype", args.dtype, *args.server_arg]
-    replicas = [Replica(i, args.model, free_port(), slices[i], spare, options, HOST, log_dir) for i in range(2)]
-    runs: list[RunResult] = []
+    replicas = [Replica(i, args.model, common.free_port(), slices[i], spare, options, common.HOST, log_dir) for i in range(2)]
+    runs: list[serving.RunResult] = []
     timings: dict[str, float] = {}
     try:
         for r in replicas:
             r.wait_healthy(600)
-            warm_up(r.url)
+            common.warm_up(r.url)
         timings["start-up"] = time.perf_counter() - started
         for label, count, policy in SYSTEMS:
             for r in replicas:
-                flush_cache(r.url)
-            router = Router([r.url for r in replicas[:count]], free_port(), policy=policy, host=HOST,
-                            prometheus_port=free_port(), log_path=log_dir / f"router_{label.replace(' ', '_')}.log")
+                common.flush_cache(r.url)
+            router = Router([r.url for r in replicas[:count]], common.free_port(), policy=policy, host=common.HOST,
+                            prometheus_port=common.free_port(), log_path=log_dir / f"router_{label.replace(' ', '_')}.log")
             try:
                 router.wait_ready()
-                warm_up(router.url)  # the router's first connections and tree, then every cache flushed
+                common.warm_up(router.url)  # the router's first connections and tree, then every cache flushed
                 seen = [finished_requests(r.url) for r in replicas]
                 t = time.perf_counter()
-                run = asyncio.run(run_workload(router.url, workload, concurrency=args.concurrency, seed=args.seed,
+                run = asyncio.run(serving.run_workload(router.url, workload, concurrency=args.concurrency, seed=args.seed,
                                                system=label, progress=not args.no_progress))
                 timings[label] = time.perf_counter() - t
             finally:
@@ -156,8 +141,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "workload": dict(workload.params), "ratios": result, "timings_s": timings,
         "argv": list(sys.argv[1:] if argv is None else argv),
     }
-    write_results(runs, args.out, meta)
-    print(markdown_table(runs))
+    serving.write_results(runs, args.out, meta)
+    print(serving.markdown_table(runs))
     for line in verdict(result):
         print(line)
     print(f"wrote {args.out} and {args.out.with_suffix('.md')} (replica and router logs: {log_dir})")
@@ -167,8 +152,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def finished_requests(url: str) -> int:
     """Sequences a replica has finished (its /metrics counter, every finish reason): the
     difference over a run shows how the router split the load."""
-    text = httpx.get(url + "/metrics", timeout=30).text
-    return int(metric_totals(text, ["radixserve_requests_finished_total"])["radixserve_requests_finished_total"])
+    name = "radixserve_requests_finished_total"
+    return int(common.read_metric_totals(url, [name])[name])
 
 
 if __name__ == "__main__":

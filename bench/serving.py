@@ -22,7 +22,6 @@ The full suite with the baselines is bench/suite.py (`make bench`).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import heapq
@@ -30,19 +29,25 @@ import itertools
 import json
 import math
 import random
-import socket
-import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
+from bench.common import (
+    add_load,
+    add_model,
+    add_out,
+    add_server_arg,
+    flush_cache,
+    launch_server,
+    metric_totals,
+    new_parser,
+)
 from bench.workloads import WORKLOADS, Node, Workload, build
 
 APIS = ("generate", "openai")
@@ -325,73 +330,7 @@ async def run_workload(url: str, workload: Workload, *, api: str = "generate", c
     return RunResult(workload.name, system or url, dict(workload.params), load, summarize(records, duration), records)
 
 
-# ---------------------------------------------------------------------- a server to measure
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def launch_server(model: str, *options: str, log_path: Path | None = None, timeout: float = 300.0,
-                  flush: bool = True) -> Iterator[str]:
-    """`python -m radixserve serve` on a free loopback port; yields its URL once healthy and
-    warmed up, stops it (SIGTERM) on exit. `flush` False keeps what the server found cached at
-    start (a disk tier after a restart): the warm-up's own prefix stays too."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "radixserve", "serve", "--model", model, "--port", str(port), *options]
-    log = open(log_path, "wb") if log_path else tempfile.TemporaryFile()  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                log.seek(0)
-                raise RuntimeError(f"the server exited with {proc.returncode}: {log.read()[-3000:]!r}")
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the server did not become healthy in {timeout} s")
-            time.sleep(0.3)
-        warm_up(url, flush)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
-
-
-def warm_up(url: str, flush: bool = True) -> None:
-    """A few short requests (first-call costs: allocator, kernels), then an empty cache."""
-    body = {"text": "Warm-up: count from one to ten.", "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
-    for _ in range(2):
-        httpx.post(url + "/generate", json=body, timeout=120).raise_for_status()
-    if flush:
-        flush_cache(url)
-
-
-def metric_totals(metrics_text: str, names: Sequence[str]) -> dict[str, float]:
-    """Each named sample of a Prometheus /metrics text (`radixserve_..._total`, say), summed
-    over its labels; a name with no sample at all is a KeyError naming it."""
-    totals: dict[str, float] = {}
-    for family in text_string_to_metric_families(metrics_text):
-        for sample in family.samples:
-            if sample.name in names:
-                totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
-    missing = [name for name in names if name not in totals]
-    if missing:
-        raise KeyError(f"/metrics has no sample named {', '.join(missing)}")
-    return totals
+# ---------------------------------------------------------------------- the server's counters
 
 
 SPEC_COUNTERS = ("radixserve_spec_draft_tokens_total", "radixserve_spec_accepted_tokens_total")
@@ -418,12 +357,6 @@ def add_acceptance(metrics: dict[str, float], before: tuple[float, float] | None
         return
     drafted, accepted = after[0] - before[0], after[1] - before[1]
     metrics.update(spec_draft_tokens=drafted, spec_accepted_tokens=accepted, spec_acceptance_rate=accepted / drafted)
-
-
-def flush_cache(url: str) -> None:
-    resp = httpx.post(url + "/flush_cache", timeout=60)
-    if resp.status_code != 200:
-        raise RuntimeError(f"/flush_cache answered {resp.status_code}: {resp.text}")
 
 
 # ---------------------------------------------------------------------- output
@@ -511,29 +444,28 @@ def load_tokenizer(model: str) -> Any:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = new_parser(__doc__)
     target = parser.add_mutually_exclusive_group(required=True)
     target.add_argument("--url", help="a running server")
     target.add_argument("--launch", action="store_true", help="start `radixserve serve` for the run")
-    parser.add_argument("--model", default="default", help="the tokenizer for the workload (and the model with --launch)")
-    parser.add_argument("--dtype", default="bfloat16", help="with --launch")
-    parser.add_argument("--server-arg", action="append", default=[], help="more `serve` options with --launch")
+    add_model(parser, help="the tokenizer for the workload (and the model with --launch)",
+              dtype_help="with --launch (auto: bf16 on CUDA and avx2+ CPUs, else fp32)")
+    add_server_arg(parser, help="more `serve` options with --launch")
     parser.add_argument("--workload", action="append", choices=list(WORKLOADS), help="repeatable; default: all")
     parser.add_argument("--size", action="append", default=[], help="workload size KEY=VALUE, e.g. docs=2 (repeatable)")
     parser.add_argument("--api", choices=APIS, default="generate")
     parser.add_argument("--served-model", help="the `model` field of OpenAI requests (default: left out)")
-    parser.add_argument("--concurrency", type=int, default=16)
+    add_load(parser)
     parser.add_argument("--rate", type=float, help="Poisson arrivals of first requests, requests/s")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--system", default="", help="label for the table")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/serving_run.json"))
+    add_out(parser, "bench/results/serving_run.json")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     tokenizer = load_tokenizer(args.model)
     sizes = parse_sizes(args.size)
     workloads = [build(name, tokenizer, seed=args.seed, **_sizes_for(name, sizes)) for name in args.workload or WORKLOADS]
     with contextlib.ExitStack() as stack:
-        url = args.url or stack.enter_context(launch_server(args.model, "--dtype", args.dtype, *args.server_arg))
+        url = args.url or stack.enter_context(launch_server(args.model, "--dtype", args.dtype, *args.server_arg)).url
         runs = []
         for w in workloads:
             flush_cache(url)

@@ -17,13 +17,12 @@ after the first token, summed over requests. Results: stdout and bench/results/s
 
 from __future__ import annotations
 
-import argparse
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from pydoc_data.topics import topics
 from typing import Any
 
+from bench.common import add_model, add_out, new_parser
 from bench.serving import emit_json
 from radixserve.config import ServerConfig
 
@@ -66,13 +65,12 @@ def measure(model: str, dtype: str, options: dict[str, Any], workloads: dict[str
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="default")
-    parser.add_argument("--dtype", default="auto")
+    parser = new_parser(__doc__)
+    add_model(parser)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--draft-tokens", type=int, default=ServerConfig.speculative_num_draft_tokens,
                         help="--speculative-num-draft-tokens (default: the server's)")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/speculative.json"))
+    add_out(parser, "bench/results/speculative.json")
     args = parser.parse_args(argv)
     quotes = quote_prompts(4)
     workloads = {"quote": (quotes, False), "fresh": (FRESH, False), "busy": ((quotes + FRESH) * 2, True)}

@@ -23,10 +23,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bench import common
 from bench.serving import (
     RunResult,
-    flush_cache,
-    launch_server,
     load_tokenizer,
     markdown_table,
     parse_sizes,
@@ -35,26 +34,22 @@ from bench.serving import (
 )
 from bench.workloads import WORKLOADS, Workload, build
 
-# Sized so the whole suite fits ~15 minutes on 2 CPU cores with SmolLM2-135M in bf16.
-DEFAULT_SIZES: dict[str, dict[str, int]] = {
-    "rag": dict(docs=4, doc_tokens=1500, questions=12, max_tokens=16),
-    "chat": dict(conversations=8, turns=8, first_tokens=600, turn_tokens=40, max_tokens=12),
-    "fewshot": dict(examples=8, example_tokens=120, questions=32, question_tokens=30, max_tokens=16),
-    "agent": dict(agents=8, steps=5, tools=6, tool_tokens=80, observation_tokens=60, max_tokens=24),
-    "agent_fork": dict(problems=6, context_tokens=300, branches=4, max_tokens=16),
-    "unique": dict(requests=32, prompt_tokens=400, max_tokens=16),
-    "quote": dict(docs=4, doc_tokens=600, questions=4, max_tokens=64),
+# Each workload's sizes as (the default suite's, a smoke test's): the default sized so the whole
+# suite fits ~15 minutes on 2 CPU cores with SmolLM2-135M in bf16, the smoke test (--quick) a
+# handful of requests.
+SIZES: dict[str, dict[str, tuple[int, int]]] = {
+    "rag": dict(docs=(4, 2), doc_tokens=(1500, 120), questions=(12, 3), max_tokens=(16, 4)),
+    "chat": dict(conversations=(8, 2), turns=(8, 2), first_tokens=(600, 60), turn_tokens=(40, 10), max_tokens=(12, 4)),
+    "fewshot": dict(examples=(8, 2), example_tokens=(120, 40), questions=(32, 4), question_tokens=(30, 10),
+                    max_tokens=(16, 4)),
+    "agent": dict(agents=(8, 2), steps=(5, 2), tools=(6, 2), tool_tokens=(80, 20), observation_tokens=(60, 10),
+                  max_tokens=(24, 4)),
+    "agent_fork": dict(problems=(6, 1), context_tokens=(300, 40), branches=(4, 2), max_tokens=(16, 4)),
+    "unique": dict(requests=(32, 4), prompt_tokens=(400, 40), max_tokens=(16, 4)),
+    "quote": dict(docs=(4, 1), doc_tokens=(600, 80), questions=(4, 2), max_tokens=(64, 4)),
 }
-# A smoke-test size for every workload (a handful of requests each).
-QUICK_SIZES: dict[str, dict[str, int]] = {
-    "rag": dict(docs=2, doc_tokens=120, questions=3, max_tokens=4),
-    "chat": dict(conversations=2, turns=2, first_tokens=60, turn_tokens=10, max_tokens=4),
-    "fewshot": dict(examples=2, example_tokens=40, questions=4, question_tokens=10, max_tokens=4),
-    "agent": dict(agents=2, steps=2, tools=2, tool_tokens=20, observation_tokens=10, max_tokens=4),
-    "agent_fork": dict(problems=1, context_tokens=40, branches=2, max_tokens=4),
-    "unique": dict(requests=4, prompt_tokens=40, max_tokens=4),
-    "quote": dict(docs=1, doc_tokens=80, questions=2, max_tokens=4),
-}
+DEFAULT_SIZES: dict[str, dict[str, int]] = {w: {k: v[0] for k, v in sizes.items()} for w, sizes in SIZES.items()}
+QUICK_SIZES: dict[str, dict[str, int]] = {w: {k: v[1] for k, v in sizes.items()} for w, sizes in SIZES.items()}
 SERVERS: dict[str, tuple[str, ...]] = {
     "radixserve": (),
     "radixserve cache off": ("--disable-radix-cache",),
@@ -85,10 +80,11 @@ def run_servers(args: argparse.Namespace, workloads: list[Workload], timings: di
             continue
         start = time.perf_counter()
         log = log_dir / (system.replace(" ", "_") + ".log")
-        with launch_server(args.model, "--dtype", args.dtype, *args.server_arg, *options, log_path=log) as url:
+        with common.launch_server(args.model, "--dtype", args.dtype, *args.server_arg, *options, log_path=log) as server:
+            url = server.url
             timings[f"{system}: start-up"] = time.perf_counter() - start
             for w in workloads:
-                flush_cache(url)
+                common.flush_cache(url)
                 t = time.perf_counter()
                 runs.append(asyncio.run(run_workload(url, w, concurrency=args.concurrency, system=system,
                                                      progress=not args.no_progress)))
@@ -99,12 +95,10 @@ def run_servers(args: argparse.Namespace, workloads: list[Workload], timings: di
 
 
 def run_transformers(args: argparse.Namespace, workloads: list[Workload], timings: dict[str, float]) -> list[RunResult]:
-    import torch
-
     from bench.baselines import HFBaseline
 
     start = time.perf_counter()
-    hf = HFBaseline(args.model, getattr(torch, args.dtype))
+    hf = HFBaseline(args.model, common.torch_dtype(args.dtype))
     timings["transformers: load"] = time.perf_counter() - start
     runs = []
     progress = not args.no_progress
@@ -135,16 +129,14 @@ def _say(run: RunResult) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="default")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    parser = common.new_parser(__doc__)
+    common.add_model(parser)
     parser.add_argument("--workload", action="append", choices=list(WORKLOADS), help="repeatable; default: all")
     parser.add_argument("--size", action="append", default=[], help="override a workload size, KEY=VALUE (repeatable)")
     parser.add_argument("--quick", action="store_true", help="a handful of requests per workload (smoke test)")
-    parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--seed", type=int, default=0)
+    common.add_load(parser)
     parser.add_argument("--systems", nargs="*", choices=list(SERVERS), help="radixserve systems (default: all)")
-    parser.add_argument("--server-arg", action="append", default=[], help="more `serve` options for every server")
+    common.add_server_arg(parser, help="more `serve` options for every server")
     parser.add_argument("--hf", nargs="*", default=["one", "static", "continuous"],
                         choices=["one", "static", "continuous"], help="transformers baselines to run")
     parser.add_argument("--deadline-min", type=float, default=16.0,
@@ -153,6 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--name", default="serving", help="results file stem")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
+    args.dtype = common.resolved_dtype(args.dtype)  # the servers and the transformers baselines alike, named in the results
 
     started = args.started = time.perf_counter()
     tokenizer = load_tokenizer(args.model)

@@ -1,13 +1,10 @@
-"""Starting the real HTTP server as a subprocess on a free loopback port, and reading its answers."""
+"""Starting the real HTTP server as a subprocess on a free loopback port (bench/common.py's
+launcher, the benchmarks' own), and reading its answers."""
 
 from __future__ import annotations
 
 import json
-import os
-import signal
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,59 +15,19 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from runtime_helpers import pid_alive
 
-HOST = "127.0.0.1"
+from bench.common import HOST, ServerProcess
+from bench.common import free_port as free_port  # tests take it from here
+
 # fast, exact settings for the tiny model; tests add their own options after these
 TINY_OPTIONS = ("--dtype", "float32", "--page-size", "4", "--kv-pages", "1024", "--chunk-size", "64")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """`python -m radixserve serve` in a subprocess; its output goes to `log_path`."""
-
-    def __init__(self, model: Path | str, *options: str, log_path: Path, env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
-        self.url = f"http://{HOST}:{self.port}"
-        self.log_path = log_path
-        cmd = [sys.executable, "-m", "radixserve", "serve", "--model", str(model), "--host", HOST, "--port", str(self.port), *options]
-        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_healthy(self, timeout: float = 180.0) -> Server:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise TimeoutError(f"the server did not become healthy in {timeout} s:\n{self.log()}")
+class Server(ServerProcess):
+    """`python -m radixserve serve` in a subprocess (bench.common.ServerProcess: started at
+    construction, `wait_healthy`, `log`, `stop`), with what tests ask of a running server."""
 
     def info(self, **headers: str) -> dict[str, Any]:
         return httpx.get(self.url + "/server_info", headers=headers, timeout=30).json()
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
-        """Signal the server and wait for it; returns its exit code."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-                raise
-        self._log.close()
-        return self.proc.returncode
 
     def wait_idle(self, timeout: float = 20.0, **headers: str) -> dict[str, Any]:
         """Wait until nothing runs or waits; returns /server_info then."""

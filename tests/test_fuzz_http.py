@@ -1,8 +1,8 @@
-"""The HTTP fuzzer (bench/fuzz/), bounded: a fixed plan of 400 requests over every route against a
+"""The HTTP fuzzer (bench/robustness/fuzz/), bounded: a fixed plan of 400 requests over every route against a
 tiny model, valid and hostile, some clients leaving, some slow, some bodies over the limit.
 Nothing may answer 5xx, hang, reset a connection it should answer, accept what the documented
 rules refuse, kill or restart the engine, or leave a KV page held once idle. `python -m
-bench.fuzz` (`make fuzz`) is the long run.
+bench.robustness.fuzz` (`make fuzz`) is the long run.
 
 Against the runtime before 0271a41 this plan finds its bugs by itself: a rid `x#1` next to `x`
 with n=2 kills the worker in the first few dozen requests; without that, an odd logit_bias key
@@ -18,7 +18,7 @@ import pytest
 from http_helpers import TINY_OPTIONS, running_server
 from runtime_helpers import make_tiny_chat_model
 
-from bench.fuzz import (
+from bench.robustness.fuzz import (
     GENERATING,
     MODES,
     Answer,

@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.fuzz.client import Answer
-from bench.fuzz.request import GENERATING, FuzzRequest, Target
-from bench.fuzz.values import SAMPLING_KEYS, SGLANG_UNSUPPORTED, UNKNOWN_KEYS
+from bench.robustness.fuzz.client import Answer
+from bench.robustness.fuzz.request import GENERATING, FuzzRequest, Target
+from bench.robustness.fuzz.values import SAMPLING_KEYS, SGLANG_UNSUPPORTED, UNKNOWN_KEYS
 
 
 @dataclass

@@ -1,5 +1,6 @@
-"""`python -m bench.soak`: hundreds of concurrent streams for minutes, clients hanging up at random
-and the worker killed mid-run; nothing may be lost.
+"""`python -m bench.robustness.soak`: hundreds of concurrent streams for minutes, clients hanging
+up at random and the worker killed mid-run; nothing may be lost. A robustness tool, not a
+benchmark: its figures say whether anything was lost, not how fast.
 
 Each of `--clients` client loops sends one streaming `/generate` after another (a slice of real
 text, `ignore_eos`, a known number of tokens, greedy or seeded) until `--duration` passes; about a
@@ -31,7 +32,15 @@ from typing import Any
 
 import httpx
 
-from bench.serving import emit_json, launch_server, metric_totals
+from bench.common import (
+    add_model,
+    add_out,
+    add_server_arg,
+    launch_server,
+    metric_totals,
+    new_parser,
+)
+from bench.serving import emit_json
 
 WARM_UP_S = 60.0  # a process's memory counts from this long after it (or the run) started
 MEMORY_TOLERANCE = 0.10
@@ -188,28 +197,27 @@ async def soak(url: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = new_parser(__doc__, prog="python -m bench.robustness.soak")
     p.add_argument("--url", help="a running server (default: start one)")
     p.add_argument("--clients", type=int, default=500)
     p.add_argument("--duration", type=float, default=300.0, help="seconds")
     p.add_argument("--kills", type=int, default=2, help="times the worker is SIGKILLed, evenly spaced")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--model", default="tiny",
-                   help="without --url: the model to serve; `tiny`: a 2-layer random model on the default tokenizer")
-    p.add_argument("--server-arg", action="append", default=[], help="more `serve` options without --url")
-    p.add_argument("--out", type=Path, default=Path("bench/results/soak.json"))
+    add_model(p, default="tiny", dtype=False,
+              help="without --url: the model to serve; `tiny`: a 2-layer random model on the default tokenizer")
+    add_server_arg(p, help="more `serve` options without --url")
+    add_out(p, "bench/results/soak.json")
     args = p.parse_args()
     with contextlib.ExitStack() as stack:
         url = args.url
         if url is None:
-            from bench.fuzz.__main__ import tiny_model
+            from bench.robustness.fuzz.__main__ import tiny_model
 
             work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="soak-")))
             model = str(tiny_model(work / "tiny")) if args.model == "tiny" else args.model
             options = ["--dtype", "float32", "--kv-pages", "4096", "--max-restarts", str(args.kills + 1), *args.server_arg]
             print(f"soak: starting `radixserve serve --model {args.model}`", file=sys.stderr)
-            url = stack.enter_context(launch_server(model, *options, log_path=args.out.with_suffix(".server.log")))
+            url = stack.enter_context(launch_server(model, *options, log_path=args.out.with_suffix(".server.log"))).url
         print(f"soak: {args.clients} clients for {args.duration:g} s, {args.kills} worker kills", file=sys.stderr)
         result = asyncio.run(soak(url, args))
     from bench.model_runner import machine

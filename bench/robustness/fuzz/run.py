@@ -14,8 +14,8 @@ from typing import Any
 
 import httpx
 
-from bench.fuzz.client import Answer, send
-from bench.fuzz.oracle import (
+from bench.robustness.fuzz.client import Answer, send
+from bench.robustness.fuzz.oracle import (
     Outcome,
     check_rules,
     error_code,
@@ -24,7 +24,7 @@ from bench.fuzz.oracle import (
     judge,
     unexplained_aborts,
 )
-from bench.fuzz.request import GENERATING, FuzzRequest, Target
+from bench.robustness.fuzz.request import GENERATING, FuzzRequest, Target
 
 # a prompt at the edge of the context (8k tokens for the default model) takes a loaded 2-core
 # machine over a minute to prefill: it gets this many timeouts

@@ -11,7 +11,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from bench.fuzz.request import FuzzRequest
+from bench.robustness.fuzz.request import FuzzRequest
 
 
 @dataclass

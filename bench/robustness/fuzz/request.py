@@ -7,7 +7,7 @@ from typing import Any
 
 import httpx
 
-from bench.fuzz.encoding import encode
+from bench.robustness.fuzz.encoding import encode
 
 GENERATING = ("/generate", "/v1/completions", "/v1/chat/completions")
 

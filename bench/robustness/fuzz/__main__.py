@@ -1,9 +1,8 @@
-"""`python -m bench.fuzz`: start a server (or use --url), draw a plan, run it, print and write the
-figures; exit code 1 if anything was found."""
+"""`python -m bench.robustness.fuzz`: start a server (or use --url), draw a plan, run it, print
+and write the figures; exit code 1 if anything was found."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
@@ -13,26 +12,25 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench.fuzz import __doc__ as overview
-from bench.fuzz.plan import draw_plan
-from bench.fuzz.request import Target
-from bench.fuzz.run import Report, print_report, run_plan
+from bench.common import add_model, add_out, add_server_arg, launch_server, new_parser
+from bench.robustness.fuzz import __doc__ as overview
+from bench.robustness.fuzz.plan import draw_plan
+from bench.robustness.fuzz.request import Target
+from bench.robustness.fuzz.run import Report, print_report, run_plan
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.fuzz", description=overview,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = new_parser(overview, prog="python -m bench.robustness.fuzz")
     p.add_argument("--url", help="a running server (default: start one)")
     p.add_argument("--requests", type=int, default=10_000)
     p.add_argument("--seed", type=int, default=0, help="the plan's seed: the same seed, the same requests")
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--timeout", type=float, default=60.0, help="seconds before a request counts as a hang")
     p.add_argument("--max-new-tokens", type=int, default=4, help="the most tokens a valid request asks for")
-    p.add_argument("--model", default="default",
-                   help="without --url: the model to serve; `tiny`: a 2-layer random model on the default tokenizer")
-    p.add_argument("--dtype", default="float32", help="without --url")
-    p.add_argument("--server-arg", action="append", default=[], help="more `serve` options without --url")
-    p.add_argument("--out", type=Path, default=Path("bench/results/fuzz.json"))
+    add_model(p, help="without --url: the model to serve; `tiny`: a 2-layer random model on the default tokenizer",
+              dtype_help="without --url (auto: bf16 on CUDA and avx2+ CPUs, else fp32)")
+    add_server_arg(p, help="more `serve` options without --url")
+    add_out(p, "bench/results/fuzz.json")
     args = p.parse_args(argv)
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
@@ -43,14 +41,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         url = args.url
         if url is None:
-            from bench.serving import launch_server
-
             work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="fuzz-")))
             model = str(tiny_model(work / "tiny")) if args.model == "tiny" else args.model
             log_path = args.out.with_suffix(".server.log")
             print(f"fuzz: starting `radixserve serve --model {args.model}` (log: {log_path})", file=sys.stderr)
             server = launch_server(model, "--dtype", args.dtype, *args.server_arg, log_path=log_path)
-            url = stack.enter_context(server)
+            url = stack.enter_context(server).url
         target = Target.from_server(url, max_new_tokens=args.max_new_tokens)
         started = time.monotonic()
         plan = draw_plan(target, args.requests, args.seed)

@@ -9,9 +9,9 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from bench.fuzz.encoding import Pairs
-from bench.fuzz.request import Target
-from bench.fuzz.values import (
+from bench.robustness.fuzz.encoding import Pairs
+from bench.robustness.fuzz.request import Target
+from bench.robustness.fuzz.values import (
     FALSY,
     MAX_KEYS,
     PROMPTS,

@@ -1,8 +1,9 @@
-"""An HTTP fuzzer over every route of a running server, with an oracle checked as it goes.
+"""An HTTP fuzzer over every route of a running server, with an oracle checked as it goes: a
+robustness tool, not a benchmark (what it finds are bugs; its speed is no figure).
 
-    python -m bench.fuzz --requests 10000                   # starts `serve --model default --dtype float32`
-    python -m bench.fuzz --requests 10000 --model tiny      # a 2-layer random model, same tokenizer: fast
-    python -m bench.fuzz --url http://127.0.0.1:30000 --requests 500
+    python -m bench.robustness.fuzz --requests 10000               # starts `serve --model default --dtype auto`
+    python -m bench.robustness.fuzz --requests 10000 --model tiny  # a 2-layer random model, same tokenizer: fast
+    python -m bench.robustness.fuzz --url http://127.0.0.1:30000 --requests 500
 
 Requests are drawn by hypothesis strategies (written here, no schemathesis) from what the server
 reports about itself (vocabulary, context, body limit, model name), as a plan fixed by `--seed`,
@@ -36,12 +37,18 @@ tests/test_fuzz_http.py runs a bounded plan against a tiny model in CI.
 
 from __future__ import annotations
 
-from bench.fuzz.client import Answer, send
-from bench.fuzz.encoding import Pad, Pairs, Raw, encode
-from bench.fuzz.oracle import Outcome, check_rules, judge, must_refuse, unexplained_aborts
-from bench.fuzz.plan import KINDS, MODES, draw_plan, fuzz_requests
-from bench.fuzz.request import GENERATING, FuzzRequest, Target
-from bench.fuzz.run import Report, print_report, run_plan
+from bench.robustness.fuzz.client import Answer, send
+from bench.robustness.fuzz.encoding import Pad, Pairs, Raw, encode
+from bench.robustness.fuzz.oracle import (
+    Outcome,
+    check_rules,
+    judge,
+    must_refuse,
+    unexplained_aborts,
+)
+from bench.robustness.fuzz.plan import KINDS, MODES, draw_plan, fuzz_requests
+from bench.robustness.fuzz.request import GENERATING, FuzzRequest, Target
+from bench.robustness.fuzz.run import Report, print_report, run_plan
 
 __all__ = [
     "GENERATING", "KINDS", "MODES", "Answer", "FuzzRequest", "Outcome", "Pad", "Pairs", "Raw", "Report", "Target",

@@ -11,10 +11,16 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
-from bench.fuzz.bodies import cap_tokens, chat_body, completion_body, generate_body, mutate
-from bench.fuzz.encoding import Pad, Raw, encode
-from bench.fuzz.request import GENERATING, FuzzRequest, Target
-from bench.fuzz.values import (
+from bench.robustness.fuzz.bodies import (
+    cap_tokens,
+    chat_body,
+    completion_body,
+    generate_body,
+    mutate,
+)
+from bench.robustness.fuzz.encoding import Pad, Raw, encode
+from bench.robustness.fuzz.request import GENERATING, FuzzRequest, Target
+from bench.robustness.fuzz.values import (
     CHAT_KEYS,
     COMPLETION_KEYS,
     GENERATE_KEYS,
@@ -169,7 +175,7 @@ def _add_pad(draw: Any, target: Target, req: FuzzRequest, size: int, tags: list[
 
 def draw_plan(target: Target, count: int, seed: int = 0) -> list[FuzzRequest]:
     """`count` requests drawn by hypothesis from `fuzz_requests`, the same ones for the same
-    seed, hypothesis version and program (`python -m bench.fuzz` always draws the same plan;
+    seed, hypothesis version and program (`python -m bench.robustness.fuzz` always draws the same plan;
     another process that has imported other modules may draw another one). Clients' modes and plain clients' kinds of request are dealt
     in the proportions of `MODES` and `KINDS` (at least one of each in a plan of 100 or more) and
     shuffled: hypothesis leans towards some choices, which would leave the rare ones out."""

@@ -7,8 +7,8 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from bench.fuzz.encoding import Raw
-from bench.fuzz.request import Target
+from bench.robustness.fuzz.encoding import Raw
+from bench.robustness.fuzz.request import Target
 
 
 def one_in(draw: Any, n: int) -> bool:
