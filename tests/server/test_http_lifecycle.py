@@ -134,7 +134,7 @@ def test_a_second_signal_or_the_timeout_ends_the_drain_with_an_error_to_the_clie
 
 
 def test_hung_then_killed_worker_with_no_restarts(tiny_dir, tmp_path):
-    """With --max-restarts 0 a dead worker is the end (tests/test_recovery.py has restarts)."""
+    """With --max-restarts 0 a dead worker is the end (tests/server/test_recovery.py has restarts)."""
     server = _start(tiny_dir, tmp_path, "--health-timeout", "2", "--max-restarts", "0")
     worker = server.info()["pids"]["worker"]
     children = children_of(server.proc.pid)
@@ -224,7 +224,7 @@ def test_help_documents_every_option():
         assert "--" + f.name.replace("_", "-") in out, f.name
         assert HELP[f.name].split()[0] in out
     assert set(HELP) == {f.name for f in dataclasses.fields(ServerConfig)}
-    guide = (Path(__file__).parent.parent / "docs" / "server.md").read_text()
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "server.md").read_text()
     missing = [f.name for f in dataclasses.fields(ServerConfig) if f"`--{f.name.replace('_', '-')}`" not in guide]
     assert not missing, f"docs/server.md does not document {missing}"
 

@@ -39,7 +39,7 @@ from radixserve.tokenizer import load_tokenizer
 
 API_KEY = "frontend-lang-test-key"
 OPTIONS = ("--dtype", "float32", "--page-size", str(PAGE_SIZE), "--kv-pages", "4096", "--api-key", API_KEY)
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 @pytest.fixture(scope="module")

@@ -189,7 +189,7 @@ def test_stop_regex_is_a_clear_400(client):
     ("ebnf", 'root ::= "a" | "b"', lambda text: text in ("a", "b")),
 ])
 def test_sglang_constrained_decoding_fields(client, key, value, check):
-    """SGLang's own client sends these keys (null when unused); see tests/test_constrained.py."""
+    """SGLang's own client sends these keys (null when unused); see tests/server/test_constrained.py."""
     out = _generate(client, text=PROMPT, sampling_params={**GREEDY, "max_new_tokens": 32, key: value})
     assert check(out["text"]), out
 

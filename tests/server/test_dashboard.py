@@ -21,7 +21,7 @@ import yaml
 from http_helpers import HOST, TINY_OPTIONS, Server, free_port, metric_samples, running_server
 from runtime_helpers import make_tiny_chat_model
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "radixserve.json"
 PROMETHEUS_YML = ROOT / "deploy" / "prometheus.yml"
 SERVED_NAME = "tiny-dashboard"

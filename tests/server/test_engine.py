@@ -221,7 +221,7 @@ def test_chunked_prefill_and_page_size_1(tiny_dir):
 
 def test_killed_worker_resumes_a_generate_in_progress(tiny_dir):
     """The worker dies mid-request: a fresh engine takes over and the call returns the text it
-    would have returned anyway (tests/test_recovery.py does this over HTTP, at length)."""
+    would have returned anyway (tests/server/test_recovery.py does this over HTTP, at length)."""
     with Engine(model=str(tiny_dir), dtype="float32", page_size=4, kv_pages=1024) as eng:
         params = {"max_new_tokens": 1500, "ignore_eos": True, "temperature": 0.0}
         expected = eng.generate("hello there", params)
