@@ -15,17 +15,12 @@ import threading
 import time
 
 import pytest
-from runtime_helpers import hf_greedy, make_tiny_chat_model, pid_alive
+from runtime_helpers import hf_greedy, pid_alive
 
 from radixserve import Engine
 from radixserve.front.types import EngineDead, InvalidRequest
 
 GREEDY = {"temperature": 0.0}
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return make_tiny_chat_model(tmp_path_factory.mktemp("tiny_chat") / "model")
 
 
 @pytest.fixture(scope="module")

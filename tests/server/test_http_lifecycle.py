@@ -27,17 +27,12 @@ from http_helpers import (
     sse_events,
     wait_gone,
 )
-from runtime_helpers import children_of, make_tiny_chat_model
+from runtime_helpers import children_of
 
 from radixserve.__main__ import HELP, build_parser, config_from_args
 from radixserve.config import ServerConfig
 
 LONG = {"max_new_tokens": 1500, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return make_tiny_chat_model(tmp_path_factory.mktemp("lifecycle_tiny") / "model")
 
 
 def _start(tiny_dir, tmp_path, *options: str, env: dict[str, str] | None = None) -> Server:
