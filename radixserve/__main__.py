@@ -24,7 +24,7 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
-from radixserve import __version__
+from radixserve.version import __version__
 from radixserve.config import (
     ATTENTION_BACKENDS,
     DTYPES,
@@ -197,9 +197,9 @@ class _Signals:
 def serve(config: ServerConfig) -> int:
     import uvicorn
 
+    from radixserve.http.app import create_app
     from radixserve.http.connection import deadline_protocol
     from radixserve.http.drain import ERROR_GRACE_S, DrainingServer
-    from radixserve.http.server import create_app
     from radixserve.launch import Backend, StartupError
     from radixserve.placement import pin_current_process
     from radixserve.tokenizer import load_tokenizer

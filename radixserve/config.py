@@ -47,7 +47,7 @@ class ServerConfig:
     startup_timeout: float = 300.0
     # speculative decoding (scheduler/ngram.py): None = off; "ngram" (SGLang's "NGRAM" too)
     speculative_algorithm: str | None = None
-    speculative_num_draft_tokens: int = 8  # the most draft tokens verified per step (docs/benchmarks.md)
+    speculative_num_draft_tokens: int = 8  # the most draft tokens verified per step (`python -m bench.speculative`)
     speculative_ngram_min_match_window_size: int = 2  # shortest suffix looked up
     speculative_ngram_max_match_window_size: int = 4  # longest suffix looked up
     speculative_max_batch_size: int = 8  # no drafting when more sequences decode (compute-bound)

@@ -25,7 +25,7 @@ from radixserve.kernels import cpu as cpu_kernels
 # attends them one step at a time, so with the panel linears (the same sums whatever rows are
 # computed together) speculation gives plain decoding's tokens in bf16 too. The prefill kernel
 # repacks the whole context per call, which a few decode rows' reads undercut; past a dozen or
-# so rows it is the cheaper one (docs/benchmarks.md).
+# so rows it is the cheaper one (`python -m bench.kernel_revisions` times checked drafts).
 SHORT_EXTEND = 16
 
 

@@ -19,12 +19,11 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from radixserve.front.recovery import POISON_CRASHES, LiveRequest
+from radixserve.front.recovery import LiveRequest, Restarts
 from radixserve.front.sample_output import PromptLogprobs, SampleOutput
 from radixserve.front.types import (
     EngineDead,
     GenerateRequest,
-    RequestCrashedEngine,
     RequestFailed,
     RidInUse,
 )
@@ -74,15 +73,11 @@ class TokenizerManager:
         self._replies: dict[int, asyncio.Future] = {}
         self._req_ids = itertools.count()
         self._dead: str | None = None
-        self._restarting: str | None = None  # why, while a fresh engine starts
-        self._failure: EngineFailed | None = None  # the dead engine's last word, if it had one
-        self._last_failure = ""  # why the last engine died (named to a poison request)
+        self._restarts = Restarts()
         self._from_scheduler: zmq.asyncio.Socket | None = None
         self._receiver: zmq.Socket | None = None
         self._recv_task: asyncio.Task | None = None
         self._decoder = msgspec.msgpack.Decoder(SchedulerToFront)
-        self.restarts = 0  # engines restarted (radixserve_engine_restarts_total)
-        self.recovered = 0  # requests resumed on a restarted engine (radixserve_requests_recovered_total)
 
     @staticmethod
     def _connect(endpoints: Endpoints) -> zmq.Socket:
@@ -103,7 +98,17 @@ class TokenizerManager:
 
     @property
     def restarting_reason(self) -> str | None:
-        return self._restarting
+        return self._restarts.restarting
+
+    @property
+    def restarts(self) -> int:
+        """Engines restarted under this front."""
+        return self._restarts.restarts
+
+    @property
+    def recovered(self) -> int:
+        """Requests resumed on a restarted engine."""
+        return self._restarts.recovered
 
     def _send(self, msg: msgspec.Struct) -> None:
         self._to_scheduler.send(self._encoder.encode(msg))
@@ -129,7 +134,7 @@ class TokenizerManager:
             if fut is not None and not fut.done():
                 fut.set_result(msg)
         elif isinstance(msg, EngineFailed):
-            self._failure = msg
+            self._restarts.engine_failed(msg)
 
     # ------------------------------------------------------------------ engine restarts
 
@@ -146,19 +151,11 @@ class TokenizerManager:
             assert self._from_scheduler is not None
             self._from_scheduler.close(linger=0)
             self._from_scheduler = self._receiver = None
-        failure, self._failure = self._failure, None
-        if failure is not None:
-            reason = f"{reason}: {failure.message}"
-            for internal in failure.suspects:
-                live = self._requests.get(internal)
-                if live is not None:
-                    live.crashes += 1
-        self._restarting = reason
+        reason = self._restarts.engine_died(reason, self._requests)
         for fut in self._replies.values():
             if not fut.done():
                 fut.set_exception(EngineDead(f"the engine is restarting ({reason})"))
         self._replies.clear()
-        self._last_failure = reason
 
     def engine_restarted(self, endpoints: Endpoints, receiver: zmq.Socket) -> None:
         """A fresh engine is ready: submit every request in flight again, each unfinished sample
@@ -166,20 +163,8 @@ class TokenizerManager:
         self._to_scheduler.close()
         self._to_scheduler = self._connect(endpoints)
         self.start(receiver)
-        self._restarting = None
-        self.restarts += 1
-        for live in list(self._requests.values()):
-            if live.done:
-                continue  # its caller is reading the last outputs
-            if live.crashes >= POISON_CRASHES:
-                log.error("request %r was in the failing step of %d engines in a row: it fails alone",
-                          live.request.rid, live.crashes)
-                live.queue.put_nowait(RequestCrashedEngine(live.request.rid, self._last_failure))
-                continue
-            if live.sent:  # else it arrived during the restart: new, not recovered
-                self.recovered += 1
+        for live in self._restarts.engine_restarted(list(self._requests.values())):
             self._submit(live)
-        log.info("engine restarted; %d requests resumed so far", self.recovered)
 
     def _submit(self, live: LiveRequest) -> None:
         self._send(live.submission())
@@ -193,7 +178,7 @@ class TokenizerManager:
     def fail_all(self, reason: str) -> None:
         """The backend is gone for good: every waiting caller gets an error now instead of hanging."""
         self._dead = reason
-        self._restarting = None
+        self._restarts.gave_up()
         for live in self._requests.values():
             live.queue.put_nowait(EngineDead(reason))
         for fut in self._replies.values():
@@ -205,8 +190,8 @@ class TokenizerManager:
         """Send `make(req_id)` to the scheduler and wait for the reply that names `req_id`."""
         if self._dead:
             raise EngineDead(self._dead)
-        if self._restarting:
-            raise EngineDead(f"the engine is restarting ({self._restarting})")
+        if self._restarts.restarting:
+            raise EngineDead(f"the engine is restarting ({self._restarts.restarting})")
         req_id = next(self._req_ids)
         fut = asyncio.get_running_loop().create_future()
         self._replies[req_id] = fut
@@ -260,7 +245,7 @@ class TokenizerManager:
     def _abort(self, internal: int) -> None:
         """Tell the engine; while one restarts there is nothing to tell (the request is no
         longer in flight, so it is not resubmitted)."""
-        if not self._dead and not self._restarting:
+        if not self._dead and not self._restarts.restarting:
             self._send(AbortRequest(internal))
 
     async def shutdown(self) -> None:
@@ -291,7 +276,7 @@ class TokenizerManager:
         self._live[live_key] = internal
         finished = False
         try:
-            if not self._restarting:  # else it goes to the fresh engine with the others
+            if not self._restarts.restarting:  # else it goes to the fresh engine with the others
                 self._submit(live)
             while not all(s.done for s in states):
                 item = await live.queue.get()

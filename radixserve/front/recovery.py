@@ -30,8 +30,9 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
+from radixserve.front.types import RequestCrashedEngine
 from radixserve.ipc import Endpoints
-from radixserve.protocol import RequestOutput, ResumedSample, TokenizedRequest
+from radixserve.protocol import EngineFailed, RequestOutput, ResumedSample, TokenizedRequest
 
 if TYPE_CHECKING:
     from radixserve.front.manager import TokenizerManager
@@ -99,6 +100,62 @@ class LiveRequest:
             top_logprobs_num=req.top_logprobs_num, cache_salt=req.cache_salt,
             resume=resume, isolate=self.crashes > 0,
         )
+
+
+class Restarts:
+    """The front's record of engine restarts: why one is under way, the dead engine's last
+    word, which requests were suspects of each crash, and the counts the metrics report.
+
+    The `TokenizerManager` owns the sockets and the requests; it tells this record when an engine
+    died and when a fresh one is ready, and resubmits what `engine_restarted` hands back."""
+
+    def __init__(self) -> None:
+        self.restarting: str | None = None  # why, while a fresh engine starts
+        self.restarts = 0  # engines restarted (radixserve_engine_restarts_total)
+        self.recovered = 0  # requests resumed on a restarted engine (radixserve_requests_recovered_total)
+        self._failure: EngineFailed | None = None  # the dying engine's last word, if it had one
+        self._last_failure = ""  # why the last engine died (named to a poison request)
+
+    def engine_failed(self, failure: EngineFailed) -> None:
+        """The engine reported its own failure (an exception in the scheduler or the worker),
+        just before it dies."""
+        self._failure = failure
+
+    def engine_died(self, reason: str, requests: dict[int, LiveRequest]) -> str:
+        """Count a crash against each suspect the dead engine named; returns the full reason."""
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            reason = f"{reason}: {failure.message}"
+            for internal in failure.suspects:
+                live = requests.get(internal)
+                if live is not None:
+                    live.crashes += 1
+        self.restarting = self._last_failure = reason
+        return reason
+
+    def engine_restarted(self, requests: list[LiveRequest]) -> list[LiveRequest]:
+        """A fresh engine is ready: the requests to submit again. A request that was in the
+        failing step of `POISON_CRASHES` engines in a row fails alone instead."""
+        self.restarting = None
+        self.restarts += 1
+        resume = []
+        for live in requests:
+            if live.done:
+                continue  # its caller is reading the last outputs
+            if live.crashes >= POISON_CRASHES:
+                log.error("request %r was in the failing step of %d engines in a row: it fails alone",
+                          live.request.rid, live.crashes)
+                live.queue.put_nowait(RequestCrashedEngine(live.request.rid, self._last_failure))
+                continue
+            if live.sent:  # else it arrived during the restart: new, not recovered
+                self.recovered += 1
+            resume.append(live)
+        log.info("engine restarted; %d requests resumed so far", self.recovered)
+        return resume
+
+    def gave_up(self) -> None:
+        """No engine is coming back."""
+        self.restarting = None
 
 
 class BackendEvents:

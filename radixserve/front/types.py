@@ -5,8 +5,19 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 from radixserve.protocol import SamplingParams
+
+_JSON_TYPES = {
+    bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object",
+    type(None): "null",
+}
+
+
+def json_type(value: Any) -> str:
+    """The JSON name of a value's type, as the client wrote it, for error messages."""
+    return _JSON_TYPES.get(type(value), type(value).__name__)
 
 
 class InvalidRequest(ValueError):

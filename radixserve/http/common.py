@@ -24,6 +24,7 @@ from radixserve.front.types import (
     RequestCrashedEngine,
     RequestFailed,
     RidInUse,
+    json_type,
 )
 
 log = logging.getLogger("radixserve.http")
@@ -137,7 +138,7 @@ async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
     except RecursionError:
         raise HTTPError(400, "the request body is not valid JSON: nested too deeply") from None
     if not isinstance(body, dict):
-        raise HTTPError(400, f"the request body must be a JSON object, got {_json_type(body)}")
+        raise HTTPError(400, f"the request body must be a JSON object, got {json_type(body)}")
     return body
 
 
@@ -160,10 +161,6 @@ def _decode(raw: bytes) -> Any:
     finally:
         if enabled:
             gc.enable()
-
-
-def _json_type(value: Any) -> str:
-    return {list: "array", str: "string", int: "integer", float: "number", bool: "boolean"}.get(type(value), "null")
 
 
 async def until_disconnect(request: Request, work: Coroutine[Any, Any, T]) -> T:

@@ -35,7 +35,7 @@ def use_device(name: str) -> torch.device:
 
 
 def cpu_prefers_bf16() -> bool:
-    """Whether bf16 beats fp32 on the CPU ISA tier in use (docs/benchmarks.md): from avx2 up.
+    """Whether bf16 beats fp32 on the CPU ISA tier in use: from avx2 up (`python -m bench.model_runner --dtypes float32 bfloat16`).
     With bf16 pair arithmetic (avx512_bf16, amx) it is faster throughout; on avx2 and avx512,
     where the kernels widen bf16 to fp32 in registers, a decode step (bound by reading weights
     and KV) is much faster and a prefill a little slower, and the KV pool holds twice the

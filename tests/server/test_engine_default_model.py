@@ -63,8 +63,7 @@ def test_greedy_equals_transformers_with_chunks_and_cache_hits(chat_prompts, hf_
 
 
 def test_dtype_auto_is_bf16_here_and_stays_sane(chat_prompts, hf_outputs):
-    """dtype auto picks bf16 from the avx2 ISA tier up (the faster choice, see
-    docs/benchmarks.md); its greedy answers must still agree with fp32 transformers on where
+    """dtype auto picks bf16 from the avx2 ISA tier up (the faster choice there); its greedy answers must still agree with fp32 transformers on where
     they start."""
     from radixserve.worker.device import cpu_prefers_bf16
 

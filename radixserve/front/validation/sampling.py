@@ -14,7 +14,7 @@ import re
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
-from radixserve.front.types import InvalidRequest
+from radixserve.front.types import InvalidRequest, json_type
 from radixserve.front.validation.limits import Limits
 from radixserve.protocol import GRAMMAR_KINDS, Grammar, SamplingParams
 
@@ -35,15 +35,6 @@ _ACCEPTED_NO_EFFECT = frozenset({"stream_interval"})
 MIN_TEMPERATURE = 1e-5
 _TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")  # a logit_bias key: an ASCII decimal integer
 
-_JSON_TYPES = {
-    bool: "boolean",
-    int: "integer",
-    float: "number",
-    str: "string",
-    list: "array",
-    dict: "object",
-    type(None): "null",
-}
 _Num = TypeVar("_Num", int, float)
 # name -> (low, high, low excluded)
 _FLOAT_RANGES = {
@@ -94,7 +85,7 @@ def parse_sampling_params(
     for key in _BOOLS:
         if key in given:
             if type(given[key]) is not bool:
-                raise InvalidRequest(f"{key} must be a boolean, got {_json_type(given[key])}", key)
+                raise InvalidRequest(f"{key} must be a boolean, got {json_type(given[key])}", key)
             out[key] = given[key]
     grammar = _grammar(raw or {}, limits)
     if grammar is not None:
@@ -124,7 +115,7 @@ def _grammar(raw: Mapping[str, Any], limits: Limits) -> Grammar | None:
         except RecursionError:
             raise InvalidRequest(f"{kind} is nested too deeply", kind) from None
     if not isinstance(value, str):
-        raise InvalidRequest(f"{kind} must be a string, got {_json_type(value)}", kind)
+        raise InvalidRequest(f"{kind} must be a string, got {json_type(value)}", kind)
     if not value.strip():
         raise InvalidRequest(f"{kind} must not be empty", kind)
     if len(value) > limits.max_grammar_chars:
@@ -138,7 +129,7 @@ def _grammar(raw: Mapping[str, Any], limits: Limits) -> Grammar | None:
             except RecursionError:
                 raise InvalidRequest(f"{kind} is nested too deeply", kind) from None
         if not isinstance(parsed, (dict, bool)) or (kind == "structural_tag" and not isinstance(parsed, dict)):
-            raise InvalidRequest(f"{kind} must be a JSON object, got {_json_type(parsed)}", kind)
+            raise InvalidRequest(f"{kind} must be a JSON object, got {json_type(parsed)}", kind)
     return Grammar(kind, value)
 
 
@@ -148,7 +139,7 @@ def _known_keys(raw: Any) -> dict[str, Any]:
         return {}
     if not isinstance(raw, Mapping):
         raise InvalidRequest(
-            f"sampling_params must be an object, got {_json_type(raw)}", "sampling_params"
+            f"sampling_params must be an object, got {json_type(raw)}", "sampling_params"
         )
     for key, value in raw.items():
         if key in _UNSUPPORTED:
@@ -156,7 +147,7 @@ def _known_keys(raw: Any) -> dict[str, Any]:
                 raise InvalidRequest(f"{key} ({_UNSUPPORTED[key]}) is not supported yet", key)
         elif key in _ACCEPTED_NO_EFFECT:
             if value is not None and type(value) is not int:
-                raise InvalidRequest(f"{key} must be an integer, got {_json_type(value)}", key)
+                raise InvalidRequest(f"{key} must be an integer, got {json_type(value)}", key)
         elif key not in _KNOWN and key != "sampling_seed" and key not in GRAMMAR_KINDS:
             raise InvalidRequest(f"unknown sampling parameter {key!r}", str(key))
     given = {k: v for k, v in raw.items() if v is not None and k in _KNOWN}
@@ -237,14 +228,14 @@ def check_lengths(
 def _int(given: Mapping[str, Any], key: str) -> int:
     value = given[key]
     if type(value) is not int:  # bool is an int subclass, and not a count
-        raise InvalidRequest(f"{key} must be an integer, got {_json_type(value)}", key)
+        raise InvalidRequest(f"{key} must be an integer, got {json_type(value)}", key)
     return value
 
 
 def _float(given: Mapping[str, Any], key: str) -> float:
     value = given[key]
     if type(value) not in (int, float):
-        raise InvalidRequest(f"{key} must be a number, got {_json_type(value)}", key)
+        raise InvalidRequest(f"{key} must be a number, got {json_type(value)}", key)
     number = _finite(value)
     if number is None:
         raise InvalidRequest(f"{key} must be a finite number, got {_short(value)}", key)
@@ -278,7 +269,7 @@ def _stop_strings(value: Any, limits: Limits) -> list[str]:
     stops = [value] if isinstance(value, str) else value
     if not isinstance(stops, list):
         raise InvalidRequest(
-            f"stop must be a string or a list of strings, got {_json_type(value)}", "stop"
+            f"stop must be a string or a list of strings, got {json_type(value)}", "stop"
         )
     if len(stops) > limits.max_stop:
         raise InvalidRequest(
@@ -286,7 +277,7 @@ def _stop_strings(value: Any, limits: Limits) -> list[str]:
         )
     for i, stop in enumerate(stops):
         if not isinstance(stop, str):
-            raise InvalidRequest(f"stop[{i}] must be a string, got {_json_type(stop)}", "stop")
+            raise InvalidRequest(f"stop[{i}] must be a string, got {json_type(stop)}", "stop")
         if not stop:
             raise InvalidRequest(f"stop[{i}] is empty; stop strings must be non-empty", "stop")
         if len(stop) > limits.max_stop_chars:
@@ -302,7 +293,7 @@ def _logit_bias(value: Any, vocab_size: int, max_entries: int) -> dict[int, floa
     [-100, 100]. A superscript two or "--5" passes `str.isdigit` (after a strip of "-") but is
     not a token id, and int() of either fails."""
     if not isinstance(value, Mapping):
-        raise InvalidRequest(f"logit_bias must be an object, got {_json_type(value)}", "logit_bias")
+        raise InvalidRequest(f"logit_bias must be an object, got {json_type(value)}", "logit_bias")
     if len(value) > max_entries:
         raise InvalidRequest(f"logit_bias has {len(value)} entries; at most {max_entries} are allowed", "logit_bias")
     out: dict[int, float] = {}
@@ -337,17 +328,12 @@ def _stop_token_ids(value: Any, vocab_size: int, limits: Limits) -> list[int]:
 
 def _token_ids(ids: Any, vocab_size: int, key: str) -> list[int]:
     if not isinstance(ids, list):
-        raise InvalidRequest(f"{key} must be a list of token ids, got {_json_type(ids)}", key)
+        raise InvalidRequest(f"{key} must be a list of token ids, got {json_type(ids)}", key)
     for i, t in enumerate(ids):
         if type(t) is not int:
             raise InvalidRequest(
-                f"{key}[{i}] must be an integer token id, got {_json_type(t)}", key
+                f"{key}[{i}] must be an integer token id, got {json_type(t)}", key
             )
         if not 0 <= t < vocab_size:
             raise InvalidRequest(f"{key}[{i}] = {t} is out of range [0, {vocab_size})", key)
     return ids
-
-
-def _json_type(value: Any) -> str:
-    """The JSON name of a value's type, as the client wrote it."""
-    return _JSON_TYPES.get(type(value), type(value).__name__)

@@ -36,9 +36,6 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-# the CLI's choices; `qwen` writes calls exactly as hermes does
-PARSER_CHOICES = ("auto", "hermes", "qwen", "llama3")
-
 _WS = " \t\r\n"
 _DECODER = json.JSONDecoder()
 

@@ -56,8 +56,8 @@
 #endif
 
 /* Whether this build's tile serves the head size and dtype: only where it beats torch's flash
- * attention with torch capped to the build's tier (RADIXSERVE_CPU_ISA); the measurements are
- * in docs/benchmarks.md ("CPU kernels by ISA tier"):
+ * attention with torch capped to the build's tier (RADIXSERVE_CPU_ISA); `python -m bench.cpu_kernels
+ * --isa TIER` measures it:
  *   - AVX-512 BF16: bf16 at 64 and 128; fp32 at 64 (at 128, with 3 rows per tile to keep
  *     their outputs in registers, torch is faster).
  *   - AVX-512 without BF16: fp32 at 64; bf16 at 64, widened. At 128 neither beats torch (in

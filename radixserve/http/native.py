@@ -1,51 +1,23 @@
-"""The HTTP server: SGLang-style native routes, the OpenAI-compatible API, health and metrics.
-
-`create_app` builds the Starlette app over a started `Backend` (scheduler and worker processes);
-the `TokenizerManager` is created in the server's own event loop (lifespan). Routes are thin:
-parse, call the front library, shape the answer.
-
-    GET  /                 the chat page (http/web_ui.py; no API key needed); off with --disable-web-ui
-    GET  /health           200 only when the scheduler and worker answer (no API key needed)
-    GET  /metrics          Prometheus text
-    GET  /health_generate  the same check (SGLang's name for it; needs the API key)
-    GET  /server_info      options, model, CPU placement, KV pages (total, free, cached, in use), pids
-                           (also /get_server_info, SGLang's older name)
-    GET  /model_info       SGLang's model card: model_path, tokenizer_path, is_generation
-                           (also /get_model_info)
-    POST /flush_cache      drop every unlocked cached prefix (GET too, as SGLang allows;
-                           /reset_prefix_cache is vLLM's name for it)
-    POST /abort_request    abort a request by its caller's `rid` (or every one with `abort_all`)
-    POST /cache/pin, /cache/unpin, GET /cache/pins   keep prefixes cached on purpose (cache_api.py)
-    POST /generate         SGLang's native API (text or input_ids, one or a batch; SSE streaming)
-    GET  /v1/models        the one served model
-    POST /v1/completions, /v1/chat/completions   see openai_api.py
-"""
+"""SGLang-style native routes: /generate, health, metrics, server and model info, abort, flush,
+and the OpenAI-shaped /v1/models (the routes are listed in `http/app.py`)."""
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import time
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import aclosing, asynccontextmanager
+from contextlib import aclosing
 from typing import Any
 
-from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import BaseRoute, Match, Route
-from starlette.types import ASGIApp, Receive, Scope, Send
 
-from radixserve import __version__
-from radixserve.config import ServerConfig
+from radixserve.version import __version__
 from radixserve.front.manager import TokenizerManager
-from radixserve.front.recovery import BackendEvents
 from radixserve.front.types import EngineDead, GenerateRequest, InvalidRequest
 from radixserve.front.validation.inputs import build_requests
-from radixserve.http import cache_api, web_ui
 from radixserve.http.common import (
     SSE_DONE,
     HTTPError,
@@ -57,14 +29,10 @@ from radixserve.http.common import (
     to_http_error,
     until_disconnect,
 )
-from radixserve.http.metrics import CONTENT_TYPE, ServerMetrics
-from radixserve.http.openai import routes as openai_api
+from radixserve.http.metrics import CONTENT_TYPE
 from radixserve.http.state import ServerState
-from radixserve.http.tenants import SCOPE_KEY, Tenants, load_api_key_file, scope_requests
-from radixserve.launch import Backend
-from radixserve.protocol import SamplingParams, SchedulerReady
-
-log = logging.getLogger("radixserve.http")
+from radixserve.http.tenants import SCOPE_KEY, scope_requests
+from radixserve.protocol import SamplingParams
 
 PROBE_WHEN_IDLE_FOR_S = 5.0  # /health runs a one-token request when no step ran for this long
 
@@ -85,182 +53,8 @@ _GENERATE_UNSUPPORTED = frozenset({
 _GENERATE_LOGGING_FLAGS = frozenset({"log_metrics", "no_logs"})
 
 
-def create_app(config: ServerConfig, backend: Backend, ready: SchedulerReady, tokenizer: Any) -> Starlette:
-    """The ASGI app over a started backend. The API key (or the keys of --api-key-file), if any,
-    guards every route but /health and the chat page's files (which hold no secret)."""
-    state = ServerState(config=config, backend=backend, ready=ready, tokenizer=tokenizer)
-    routes = [
-        Route("/health", health, methods=["GET"]),
-        Route("/health_generate", health, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
-        Route("/server_info", server_info, methods=["GET"]),
-        Route("/get_server_info", server_info, methods=["GET"]),
-        Route("/model_info", model_info, methods=["GET"]),
-        Route("/get_model_info", model_info, methods=["GET"]),
-        Route("/flush_cache", flush_cache, methods=["GET", "POST"]),
-        Route("/reset_prefix_cache", flush_cache, methods=["POST"]),
-        Route("/abort_request", abort_request, methods=["POST"]),
-        Route("/generate", generate, methods=["POST"]),
-        Route("/v1/models", list_models, methods=["GET"]),
-        Route("/v1/models/{model:path}", get_model, methods=["GET"]),
-        Route("/v1/completions", openai_api.completions, methods=["POST"]),
-        Route("/v1/chat/completions", openai_api.chat_completions, methods=["POST"]),
-        *cache_api.routes(),
-    ]
-    public = frozenset({"/health"})
-    if not config.disable_web_ui:
-        routes += web_ui.routes()
-        public |= web_ui.PUBLIC_PATHS
-    app = Starlette(
-        routes=routes, lifespan=_lifespan,
-        exception_handlers={HTTPException: _http_exception},  # 404, 405 as JSON too
-    )
-    app.router.redirect_slashes = False  # `/generate/` is a JSON 404, not an empty 307
-    app.state.server = state
-    if config.api_key_file is not None:
-        tenants = load_api_key_file(config.api_key_file)
-        state.metrics.add_tenants(tenants.names)
-        app.add_middleware(APIKeyMiddleware, keys=tenants, per_tenant=True, public=public)
-        state.tenants_on = True
-    elif config.api_key is not None:
-        app.add_middleware(APIKeyMiddleware, keys=Tenants.single(config.api_key), per_tenant=False, public=public)
-    app.add_middleware(DrainMiddleware, state=state)  # refuses before anything else runs
-    app.add_middleware(ResponseCountMiddleware, routes=routes, metrics=state.metrics)  # outermost: sees every answer
-    return app
-
-
-@asynccontextmanager
-async def _lifespan(app: Starlette) -> AsyncIterator[None]:
-    state: ServerState = app.state.server
-    manager = TokenizerManager(state.backend.endpoints, state.ready, state.tokenizer)
-    manager.start(state.backend.receiver)
-    state.manager = manager
-
-    def on_lost(reason: str) -> None:
-        state.engine_lost = reason  # the server exits non-zero, for a supervisor to act on
-
-    state.backend.watch(BackendEvents(manager, asyncio.get_running_loop(), on_lost))
-    try:
-        yield
-    finally:
-        state.close()
-        await manager.shutdown()
-
-
-async def _http_exception(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, HTTPException)
-    message = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
-    return HTTPError(exc.status_code, message.get(exc.status_code, str(exc.detail))).response()
-
-
 def _state(request: Request) -> ServerState:
     return request.app.state.server
-
-
-class APIKeyMiddleware:
-    """`Authorization: Bearer <key>` on every route except the `public` paths (/health, the chat
-    page's files), compared in constant time (digests of equal length, so not even the key's
-    length leaks). /health_generate, which may run a one-token request, needs the key.
-
-    `keys` holds the single --api-key, or the keys of --api-key-file; with `per_tenant` (the
-    file) the key's tenant is left in the scope (`tenants.SCOPE_KEY`) for the routes to derive
-    the request's cache namespace."""
-
-    def __init__(self, app: ASGIApp, keys: Tenants, per_tenant: bool, public: frozenset[str]) -> None:
-        self.app = app
-        self._keys = keys
-        self._per_tenant = per_tenant
-        self._public = public
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in self._public:
-            await self.app(scope, receive, send)
-            return
-        tenant = self._authorize(scope)
-        if tenant is not None:
-            if self._per_tenant:
-                scope[SCOPE_KEY] = tenant
-            await self.app(scope, receive, send)
-            return
-        error = HTTPError(401, "a valid API key is required: send `Authorization: Bearer <key>`", code="invalid_api_key")
-        response = error.response()
-        response.headers["WWW-Authenticate"] = "Bearer"
-        await response(scope, receive, send)
-
-    def _authorize(self, scope: Scope) -> str | None:
-        """The tenant of the request's key ("" for the single --api-key), or None: refused."""
-        value = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-        scheme, _, token = value.partition(b" ")
-        tenant = self._keys.lookup(token.strip())
-        return tenant if scheme.lower() == b"bearer" else None
-
-
-class ResponseCountMiddleware:
-    """Counts every HTTP answer by route and status (radixserve_http_responses_total), from the
-    outside, so that answers given before any route runs (a 401, a draining server's 503) count
-    too. The route label is the declared path of the route the request's path matches, whatever
-    the method (a 405 counts under its route), else `other`: a bounded set of values, whatever
-    paths clients send. A request whose client left before any answer started counts nowhere."""
-
-    def __init__(self, app: ASGIApp, routes: list[BaseRoute], metrics: ServerMetrics) -> None:
-        self.app = app
-        self._routes = [r for r in routes if isinstance(r, Route)]
-        self._metrics = metrics
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        status: int | None = None
-
-        async def counting_send(message: dict[str, Any]) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, counting_send)
-        finally:
-            if status is not None:
-                self._metrics.observe_response(self._route(scope), status)
-
-    def _route(self, scope: Scope) -> str:
-        for route in self._routes:
-            if route.matches(scope)[0] is not Match.NONE:
-                return route.path
-        return "other"
-
-
-class DrainMiddleware:
-    """Counts the HTTP requests in progress (`ServerState.in_flight`, what a graceful drain waits
-    for) and, once the server drains (`ServerState.draining`, set on SIGTERM), answers every new
-    request with 503 + Retry-After instead of starting it: the listener stays open meanwhile, so
-    a client or load balancer is told to go elsewhere rather than refused a connection."""
-
-    def __init__(self, app: ASGIApp, state: ServerState) -> None:
-        self.app = app
-        self.state = state
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        if self.state.draining:
-            headers = {"Retry-After": "1"}
-            if scope["path"] == "/health":
-                response = JSONResponse({"status": "unhealthy", "reason": "the server is shutting down"},
-                                        status_code=503, headers=headers)
-            else:
-                response = HTTPError(503, "the server is shutting down; retry on another replica or later",
-                                     code="shutting_down", headers=headers).response()
-            await response(scope, receive, send)
-            return
-        self.state.in_flight += 1
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            self.state.in_flight -= 1
 
 
 # ---------------------------------------------------------------------- health, metrics, admin
