@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole GPU check of the CUDA path in one run (docs/cuda.md): install the carried wheels,
-# build FlashInfer's kernels, run tests/test_gpu.py, run bench/gpu.py. Every log and the
+# build FlashInfer's kernels, run tests/unit/test_gpu.py, run bench/gpu.py. Every log and the
 # benchmark's results land in $OUT (at most 8 files come back from the device machine).
 #
 #   bash bench/gpu_check.sh [OUT]      # from the repo root, on the GPU machine, .whl/ carried
@@ -35,7 +35,7 @@ wait
 tail -n 40 "$OUT/jit.log"
 
 stamp tests | tee "$OUT/test_gpu.log"
-timeout "${TEST_S:-120}" $PY -m pytest -q -rs -p no:cacheprovider --timeout 100 tests/test_gpu.py 2>&1 | tee -a "$OUT/test_gpu.log"
+timeout "${TEST_S:-120}" $PY -m pytest -q -rs -p no:cacheprovider --timeout 100 tests/unit/test_gpu.py 2>&1 | tee -a "$OUT/test_gpu.log"
 
 stamp bench | tee "$OUT/bench.log"
 timeout "${BENCH_S:-200}" $PY -m bench.gpu --out "$OUT" --budget-s "${BENCH_BUDGET_S:-120}" 2>&1 | tee -a "$OUT/bench.log"

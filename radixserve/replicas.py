@@ -7,7 +7,7 @@ i listens on `--port + 1 + i`. Each replica's worker gets `--threads-per-replica
 own (default: the usable cores split evenly); cores left over go to every replica's scheduler and
 front, else those float over the machine. Ctrl-C stops the router and every replica.
 
-This is the one-machine example of docs/deploy.md, and what tests/test_router.py and
+This is the one-machine example of docs/deploy.md, and what tests/server/test_router.py and
 bench/router.py start: replicas and router are plain subprocesses with the command lines an
 operator would type, so what they test is what a deployment runs.
 """

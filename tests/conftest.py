@@ -1,11 +1,14 @@
-"""Shared fixtures: tiny random Hugging Face checkpoints and the default model's folder.
+"""Shared fixtures: tiny random Hugging Face checkpoints, servers started on them, and the default
+model's folder.
 
-torch and transformers are imported inside the functions, so test files that need neither (the
-pure-Python cache and scheduler tests) do not pay for them.
+torch, transformers and the HTTP helpers are imported inside the functions, so test files that
+need none of them (the pure-Python cache and scheduler tests) do not pay for them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +18,7 @@ from radixserve.kernels import isa
 
 if TYPE_CHECKING:
     import torch
+    from http_helpers import Server
     from transformers import PretrainedConfig
 
 _TINY = dict(
@@ -102,6 +106,48 @@ def tiny_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
         name: save_tiny_model(config, root / name, seed=i)
         for i, (name, config) in enumerate(tiny_configs().items())
     }
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """`tiny_model(seed=0, **config_overrides) -> folder`: a 2-layer random Llama with the default
+    model's real tokenizer (`runtime_helpers.make_tiny_chat_model`), built once per session for
+    each distinct set of arguments and shared by every module that asks: never write into it."""
+    built: dict[tuple[int, tuple[tuple[str, Any], ...]], Path] = {}
+
+    def get(seed: int = 0, **config_overrides: Any) -> Path:
+        from runtime_helpers import make_tiny_chat_model
+
+        key = (seed, tuple(sorted(config_overrides.items())))
+        if key not in built:
+            folder = tmp_path_factory.mktemp("tiny_model") / "model"
+            built[key] = make_tiny_chat_model(folder, seed, **config_overrides)
+        return built[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tiny_model: Callable[..., Path]) -> Path:
+    """The tiny chat model with default settings: what most server and Engine tests run on."""
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def start_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Server]]:
+    """`start_server(model, *options) -> Server`: `radixserve serve` on a free loopback port
+    (`http_helpers.running_server`), healthy when returned; `server.url` is its base URL. Each
+    server lives to the end of the module, so a module's tests share it (a start is the suite's
+    main cost); then each must stop cleanly (exit code 0), else the teardown fails with its log."""
+    from http_helpers import running_server
+
+    with ExitStack() as servers:
+
+        def start(model: Path | str, *options: str) -> Server:
+            log_dir = tmp_path_factory.mktemp("server")
+            return servers.enter_context(running_server(model, *options, log_dir=log_dir))
+
+        yield start
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,7 @@
 It implements what FlashInfer 0.2.14's docstrings specify, and refuses what the real one
 refuses (int32 indptrs, NHD caches, fixed batch size and buffers in CUDA-graph mode, q/kv dtypes
 matching the plan), so the CPU tests exercise `FlashInferBackend`'s calls, index arrays and
-graph plumbing. Its numbers say nothing about FlashInfer's kernels: tests/test_gpu.py does.
+graph plumbing. Its numbers say nothing about FlashInfer's kernels: tests/unit/test_gpu.py does.
 
 Semantics it follows (prefill/append over paged KV, NHD layout):
 - request i's queries are q[qo_indptr[i]:qo_indptr[i+1]];

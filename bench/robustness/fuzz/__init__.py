@@ -32,7 +32,7 @@ beyond json.dumps), `values` and `bodies` (hypothesis strategies), `plan` (drawi
 Valid requests ask for at most `--max-new-tokens` tokens (64 for clients that leave), so a run
 measures robustness, not decoding speed. The figures (requests by route and tag, status classes,
 problems, hangs, engine restarts, pages after) are printed and written as JSON (`--out`).
-tests/test_fuzz_http.py runs a bounded plan against a tiny model in CI.
+tests/server/test_fuzz_http.py runs a bounded plan against a tiny model in CI.
 """
 
 from __future__ import annotations

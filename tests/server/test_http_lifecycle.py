@@ -27,17 +27,12 @@ from http_helpers import (
     sse_events,
     wait_gone,
 )
-from runtime_helpers import children_of, make_tiny_chat_model
+from runtime_helpers import children_of
 
 from radixserve.__main__ import HELP, build_parser, config_from_args
 from radixserve.config import ServerConfig
 
 LONG = {"max_new_tokens": 1500, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return make_tiny_chat_model(tmp_path_factory.mktemp("lifecycle_tiny") / "model")
 
 
 def _start(tiny_dir, tmp_path, *options: str, env: dict[str, str] | None = None) -> Server:
@@ -134,7 +129,7 @@ def test_a_second_signal_or_the_timeout_ends_the_drain_with_an_error_to_the_clie
 
 
 def test_hung_then_killed_worker_with_no_restarts(tiny_dir, tmp_path):
-    """With --max-restarts 0 a dead worker is the end (tests/test_recovery.py has restarts)."""
+    """With --max-restarts 0 a dead worker is the end (tests/server/test_recovery.py has restarts)."""
     server = _start(tiny_dir, tmp_path, "--health-timeout", "2", "--max-restarts", "0")
     worker = server.info()["pids"]["worker"]
     children = children_of(server.proc.pid)
@@ -224,7 +219,7 @@ def test_help_documents_every_option():
         assert "--" + f.name.replace("_", "-") in out, f.name
         assert HELP[f.name].split()[0] in out
     assert set(HELP) == {f.name for f in dataclasses.fields(ServerConfig)}
-    guide = (Path(__file__).parent.parent / "docs" / "server.md").read_text()
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "server.md").read_text()
     missing = [f.name for f in dataclasses.fields(ServerConfig) if f"`--{f.name.replace('_', '-')}`" not in guide]
     assert not missing, f"docs/server.md does not document {missing}"
 

@@ -11,17 +11,16 @@ import re
 import shutil
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import yaml
-from http_helpers import HOST, TINY_OPTIONS, Server, free_port, metric_samples, running_server
-from runtime_helpers import make_tiny_chat_model
+from http_helpers import HOST, TINY_OPTIONS, Server, free_port, metric_samples
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "radixserve.json"
 PROMETHEUS_YML = ROOT / "deploy" / "prometheus.yml"
 SERVED_NAME = "tiny-dashboard"
@@ -47,11 +46,8 @@ def dashboard() -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    model = make_tiny_chat_model(tmp_path_factory.mktemp("dash_tiny") / "model")
-    options = (*TINY_OPTIONS, "--served-model-name", SERVED_NAME)
-    with running_server(model, *options, log_dir=tmp_path_factory.mktemp("dash_logs")) as srv:
-        yield srv
+def server(start_server: Callable[..., Server], tiny_dir: Path) -> Server:
+    return start_server(tiny_dir, *TINY_OPTIONS, "--served-model-name", SERVED_NAME)
 
 
 def _traffic(server: Server) -> None:

@@ -16,7 +16,6 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from runtime_helpers import make_tiny_chat_model
 
 import frontend_lang as fl
 from radixserve import Engine
@@ -35,11 +34,6 @@ def long_document(tokenizer: Any, num_tokens: int = 1000) -> str:
 
 
 # ---------------------------------------------------------------------- fixtures (engine)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return make_tiny_chat_model(tmp_path_factory.mktemp("fl_tiny") / "model")
 
 
 @pytest.fixture(scope="module")

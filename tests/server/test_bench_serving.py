@@ -11,7 +11,6 @@ import math
 import httpx
 import pytest
 from http_helpers import TINY_OPTIONS, running_server
-from runtime_helpers import make_tiny_chat_model
 
 from bench.serving import (
     RequestRecord,
@@ -82,14 +81,8 @@ def test_slots_serve_priority_then_order():
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return make_tiny_chat_model(tmp_path_factory.mktemp("bench_tiny") / "model")
-
-
-@pytest.fixture(scope="module")
-def server(tiny_dir, tmp_path_factory):
-    with running_server(tiny_dir, *TINY_OPTIONS, log_dir=tmp_path_factory.mktemp("logs")) as srv:
-        yield srv
+def server(start_server, tiny_dir):
+    return start_server(tiny_dir, *TINY_OPTIONS)
 
 
 @pytest.fixture(scope="module")

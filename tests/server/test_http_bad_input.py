@@ -8,8 +8,7 @@ import json
 
 import httpx
 import pytest
-from http_helpers import TINY_OPTIONS, metric_samples, running_server
-from runtime_helpers import make_tiny_chat_model
+from http_helpers import TINY_OPTIONS, metric_samples
 
 BODY_LIMIT = 100_000
 USER = [{"role": "user", "content": "hi"}]
@@ -163,11 +162,9 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    model = make_tiny_chat_model(tmp_path_factory.mktemp("bad_input_tiny") / "model")
+def server(start_server, tiny_dir):
     options = ("--served-model-name", "tiny", "--max-body-bytes", str(BODY_LIMIT), "--max-queued-requests", "64")
-    with running_server(model, *TINY_OPTIONS, *options, log_dir=tmp_path_factory.mktemp("logs")) as srv:
-        yield srv
+    return start_server(tiny_dir, *TINY_OPTIONS, *options)
 
 
 def _send(client: httpx.Client, method: str, path: str, body) -> httpx.Response:

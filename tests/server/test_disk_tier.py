@@ -11,8 +11,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from http_helpers import Server, metric_samples, running_server
-from runtime_helpers import hf_greedy, make_tiny_chat_model
+from http_helpers import Server, metric_samples
+from runtime_helpers import hf_greedy
 
 import frontend_lang as fl
 
@@ -30,27 +30,22 @@ def doc(seed: int, n: int = 200) -> list[int]:
     return [start + i for i in range(n)]
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return make_tiny_chat_model(tmp_path_factory.mktemp("disk_tiny") / "model")
-
-
 def _options(page_size: int, kv_pages: int, disk: Path, *extra: str) -> tuple[str, ...]:
     return ("--dtype", "float32", "--page-size", str(page_size), "--kv-pages", str(kv_pages), "--chunk-size", "256",
             "--kv-disk-dir", str(disk), "--debug-checks", *extra)
 
 
 @pytest.fixture(scope="module")
-def server(tiny, tmp_path_factory):
+def server(start_server, tiny_dir, tmp_path_factory):
     """Page size 16, a 48-page pool (768 tokens: two documents and a question evict a third),
     tenants from API keys."""
     tmp = tmp_path_factory.mktemp("disk_server")
     keys = tmp / "keys.txt"
     keys.write_text(KEYS)
     disk = tmp / "kv"
-    with running_server(tiny, *_options(16, 48, disk, "--api-key-file", str(keys)), log_dir=tmp) as srv:
-        srv.disk = disk
-        yield srv
+    srv = start_server(tiny_dir, *_options(16, 48, disk, "--api-key-file", str(keys)))
+    srv.disk = disk
+    return srv
 
 
 def _generate(srv: Server, ids: list[int], headers: dict[str, str], **extra) -> dict:
@@ -75,7 +70,7 @@ def _balanced(srv: Server, headers: dict[str, str], pinned_pages: int = 0) -> No
     assert pages["in_use"] == pinned_pages, pages
 
 
-def test_outputs_are_the_same_computed_from_memory_and_from_disk(server, tiny):
+def test_outputs_are_the_same_computed_from_memory_and_from_disk(server, tiny_dir):
     prompt = doc(1) + [7, 8, 9]
     aligned = (len(prompt) - 1) // 16 * 16
     before = _metrics(server, ALPHA)
@@ -88,7 +83,7 @@ def test_outputs_are_the_same_computed_from_memory_and_from_disk(server, tiny):
     assert disk["meta_info"]["cached_tokens"] == aligned
     assert after[DISK_HITS] - before[DISK_HITS] == aligned
     assert computed["output_ids"] == memory["output_ids"] == disk["output_ids"]
-    assert computed["output_ids"] == hf_greedy(tiny, [prompt], 8, eos=None)[0]
+    assert computed["output_ids"] == hf_greedy(tiny_dir, [prompt], 8, eos=None)[0]
     assert after["radixserve_kv_disk_pages"] > 0
     assert after["radixserve_kv_disk_stored_bytes_total"] > 0 and after["radixserve_kv_disk_loaded_bytes_total"] > 0
     assert after["radixserve_kv_disk_bytes"] <= after["radixserve_kv_disk_capacity_bytes"]
@@ -180,7 +175,7 @@ def test_bad_pins_get_a_clear_4xx(server, body, status, says):
     assert httpx.get(server.url + "/health").status_code == 200
 
 
-def test_fl_pin_keeps_a_programs_document(server, tiny):
+def test_fl_pin_keeps_a_programs_document(server, tiny_dir):
     backend = fl.RuntimeEndpoint(server.url, api_key="key-alpha")
     text = "The manual says: " + "caching saves time. " * 20 + "\n"
     pin = fl.pin(text, backend=backend)
@@ -192,12 +187,12 @@ def test_fl_pin_keeps_a_programs_document(server, tiny):
     backend.close()
 
 
-def test_a_restart_serves_hits_from_disk_and_a_corrupt_file_is_never_served(tiny, tmp_path):
+def test_a_restart_serves_hits_from_disk_and_a_corrupt_file_is_never_served(tiny_dir, tmp_path):
     """Page size 1: every token is a page (and a file)."""
     disk = tmp_path / "kv"
     options = _options(1, 256, disk)
     prompt = doc(8, 120) + [11]
-    first = Server(tiny, *options, log_path=tmp_path / "first.log").wait_healthy()
+    first = Server(tiny_dir, *options, log_path=tmp_path / "first.log").wait_healthy()
     try:
         computed = _generate(first, prompt, {})
         _flood(first, {}, range(500, 502), n=150)  # pushes the document to disk
@@ -207,7 +202,7 @@ def test_a_restart_serves_hits_from_disk_and_a_corrupt_file_is_never_served(tiny
     files = sorted((disk).rglob("*.kv"))
     assert len(files) >= 120
 
-    second = Server(tiny, *options, log_path=tmp_path / "second.log").wait_healthy()
+    second = Server(tiny_dir, *options, log_path=tmp_path / "second.log").wait_healthy()
     try:
         restarted = _generate(second, prompt, {})
         metrics = _metrics(second, {})
@@ -221,7 +216,7 @@ def test_a_restart_serves_hits_from_disk_and_a_corrupt_file_is_never_served(tiny
         raw = bytearray(path.read_bytes())
         raw[-1] ^= 0x5A
         path.write_bytes(bytes(raw))
-    third = Server(tiny, *options, log_path=tmp_path / "third.log").wait_healthy()
+    third = Server(tiny_dir, *options, log_path=tmp_path / "third.log").wait_healthy()
     try:
         again = _generate(third, prompt, {})
         metrics = _metrics(third, {})
@@ -234,7 +229,7 @@ def test_a_restart_serves_hits_from_disk_and_a_corrupt_file_is_never_served(tiny
     assert "checksum mismatch" in third.log()
 
 
-def test_the_disk_tier_is_refused_without_the_prefix_cache(tiny, tmp_path):
-    srv = Server(tiny, *_options(16, 64, tmp_path / "kv", "--disable-radix-cache"), log_path=tmp_path / "log")
+def test_the_disk_tier_is_refused_without_the_prefix_cache(tiny_dir, tmp_path):
+    srv = Server(tiny_dir, *_options(16, 64, tmp_path / "kv", "--disable-radix-cache"), log_path=tmp_path / "log")
     assert srv.proc.wait(120) != 0
     assert "disable_radix_cache" in srv.log()

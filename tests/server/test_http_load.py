@@ -15,9 +15,7 @@ from http_helpers import (
     Server,
     assert_pages_balanced,
     metric_samples,
-    running_server,
 )
-from runtime_helpers import make_tiny_chat_model
 
 STREAMS = 240
 PLAIN = 60
@@ -30,10 +28,8 @@ TIME_LIMIT_S = 300
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    model = make_tiny_chat_model(tmp_path_factory.mktemp("load_tiny") / "model")
-    with running_server(model, *TINY_OPTIONS, "--log-level", "warning", log_dir=tmp_path_factory.mktemp("logs")) as srv:
-        yield srv
+def server(start_server, tiny_dir):
+    return start_server(tiny_dir, *TINY_OPTIONS, "--log-level", "warning")
 
 
 def _body(i: int, leaves: bool, stream: bool) -> dict:

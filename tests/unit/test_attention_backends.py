@@ -1,7 +1,7 @@
 """The CUDA path's CPU-checkable parts: backend registry, paged index math, graph buckets/padding,
 and FlashInferBackend + decode graphs driven through a CPU stand-in for flashinfer.
 
-What this file cannot show: that FlashInfer's real kernels agree (tests/test_gpu.py does that
+What this file cannot show: that FlashInfer's real kernels agree (tests/unit/test_gpu.py does that
 on a GPU).
 """
 

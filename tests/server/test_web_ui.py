@@ -13,14 +13,13 @@ The browser tests skip, saying why, where playwright or the browser is not insta
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from http_helpers import TINY_OPTIONS, Server, running_server
-from runtime_helpers import make_tiny_chat_model
 
 CHROMIUM = Path("/usr/bin/chromium")
 # playwright cannot download its own browser build here: it drives the system's, with nothing
@@ -48,14 +47,8 @@ def browser() -> Iterator[Any]:
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_chat_model(tmp_path_factory.mktemp("web_tiny") / "model")
-
-
-@pytest.fixture(scope="module")
-def server(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with running_server(tiny_dir, *TINY_OPTIONS, log_dir=tmp_path_factory.mktemp("web_logs")) as srv:
-        yield srv
+def server(start_server: Callable[..., Server], tiny_dir: Path) -> Server:
+    return start_server(tiny_dir, *TINY_OPTIONS)
 
 
 def _open(browser: Any, server: Server) -> tuple[Any, Any, list[str]]:

@@ -13,7 +13,7 @@ import torch
 from bench.kernel_revisions import build_revision
 from radixserve.kernels import cpu as cpu_kernels
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _in_git_checkout() -> bool:

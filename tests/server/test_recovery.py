@@ -18,7 +18,6 @@ from typing import Any
 import httpx
 import pytest
 from http_helpers import TINY_OPTIONS, Server, assert_pages_balanced, metric_samples, sse_events
-from runtime_helpers import make_tiny_chat_model
 
 from radixserve.tokenizer import load_tokenizer
 from radixserve.worker.worker import FAIL_ON_TOKEN_ENV
@@ -28,11 +27,6 @@ NEW_TOKENS = 1000  # long enough that every stream is mid-way when the engine di
 STOP_AFTER = 700  # the stop-string stream's min_new_tokens: its stop completes after the restart
 # room for every stream's whole context (16 x ~1,020 tokens), so nothing is retracted
 OPTIONS = ("--kv-pages", "8192")
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_chat_model(tmp_path_factory.mktemp("recovery") / "model")
 
 
 def _start(tiny_dir: Path, tmp_path: Path, *options: str, env: dict[str, str] | None = None) -> Server:

@@ -8,8 +8,7 @@ import asyncio
 import httpx
 import openai
 import pytest
-from http_helpers import TINY_OPTIONS, running_server
-from runtime_helpers import make_tiny_chat_model
+from http_helpers import TINY_OPTIONS
 
 from radixserve import Engine
 from radixserve.tokenizer import apply_chat_template
@@ -20,14 +19,8 @@ SYSTEM = " ".join(["You are a careful assistant who answers briefly and never in
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return make_tiny_chat_model(tmp_path_factory.mktemp("openai_tiny") / "model")
-
-
-@pytest.fixture(scope="module")
-def server(tiny_dir, tmp_path_factory):
-    with running_server(tiny_dir, *TINY_OPTIONS, "--served-model-name", MODEL, log_dir=tmp_path_factory.mktemp("logs")) as srv:
-        yield srv
+def server(start_server, tiny_dir):
+    return start_server(tiny_dir, *TINY_OPTIONS, "--served-model-name", MODEL)
 
 
 @pytest.fixture(scope="module")

@@ -30,11 +30,6 @@ SMALL_VOCAB = 8  # the distribution test's model: its bigrams are 64 cells
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_chat_model(tmp_path_factory.mktemp("spec") / "model")
-
-
-@pytest.fixture(scope="module")
 def echo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny model that mostly repeats itself: its layers are nearly silent, so the tied LM head
     scores the embedding of the last token highest. Its loops give the drafter spans to propose

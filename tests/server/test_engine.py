@@ -15,17 +15,12 @@ import threading
 import time
 
 import pytest
-from runtime_helpers import hf_greedy, make_tiny_chat_model, pid_alive
+from runtime_helpers import hf_greedy, pid_alive
 
 from radixserve import Engine
 from radixserve.front.types import EngineDead, InvalidRequest
 
 GREEDY = {"temperature": 0.0}
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return make_tiny_chat_model(tmp_path_factory.mktemp("tiny_chat") / "model")
 
 
 @pytest.fixture(scope="module")
@@ -221,7 +216,7 @@ def test_chunked_prefill_and_page_size_1(tiny_dir):
 
 def test_killed_worker_resumes_a_generate_in_progress(tiny_dir):
     """The worker dies mid-request: a fresh engine takes over and the call returns the text it
-    would have returned anyway (tests/test_recovery.py does this over HTTP, at length)."""
+    would have returned anyway (tests/server/test_recovery.py does this over HTTP, at length)."""
     with Engine(model=str(tiny_dir), dtype="float32", page_size=4, kv_pages=1024) as eng:
         params = {"max_new_tokens": 1500, "ignore_eos": True, "temperature": 0.0}
         expected = eng.generate("hello there", params)

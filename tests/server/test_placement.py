@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 from http_helpers import TINY_OPTIONS, running_server
-from runtime_helpers import make_tiny_chat_model
 
 from radixserve.config import ServerConfig
 from radixserve.placement import (
@@ -111,13 +110,12 @@ def test_cuda_device_index_is_checked_by_the_worker():
 
 
 @pytest.mark.gpu
-def test_server_on_the_last_gpu(tmp_path):
+def test_server_on_the_last_gpu(tiny_dir, tmp_path):
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     last = torch.cuda.device_count() - 1
-    model = make_tiny_chat_model(tmp_path / "tiny")
-    with running_server(model, *TINY_OPTIONS, "--device", f"cuda:{last}", log_dir=tmp_path) as server:
+    with running_server(tiny_dir, *TINY_OPTIONS, "--device", f"cuda:{last}", log_dir=tmp_path) as server:
         info = server.info()
         assert info["model"]["device"] == f"cuda:{last}"
         import httpx
@@ -134,11 +132,10 @@ def _affinity(pid: int) -> set[int]:
 
 
 @pytest.mark.skipif(not CAN_PIN or len(usable_cpus()) < 2, reason="needs Linux affinity and 2 usable cores")
-def test_server_pins_worker_and_keeps_the_rest_off_its_cores(tmp_path: Path):
+def test_server_pins_worker_and_keeps_the_rest_off_its_cores(tiny_dir: Path, tmp_path: Path):
     cores = usable_cpus()
     worker_core, rest = cores[-1], set(cores[:-1])
-    model = make_tiny_chat_model(tmp_path / "tiny")
-    with running_server(model, *TINY_OPTIONS, "--cpu-affinity", str(worker_core), log_dir=tmp_path) as server:
+    with running_server(tiny_dir, *TINY_OPTIONS, "--cpu-affinity", str(worker_core), log_dir=tmp_path) as server:
         info = server.info()
         assert info["placement"] == {
             "worker_threads": 1, "worker_cpus": str(worker_core), "service_cpus": format_cpu_list(rest),

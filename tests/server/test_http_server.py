@@ -13,10 +13,8 @@ from http_helpers import (
     assert_pages_balanced,
     metric_samples,
     raw_request,
-    running_server,
     sse_events,
 )
-from runtime_helpers import make_tiny_chat_model
 
 from radixserve import Engine
 from radixserve.kernels import isa
@@ -31,14 +29,8 @@ LONG_PROMPT = " ".join(["alpha beta gamma delta epsilon zeta eta theta"] * 6)
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return make_tiny_chat_model(tmp_path_factory.mktemp("http_tiny") / "model")
-
-
-@pytest.fixture(scope="module")
-def server(tiny_dir, tmp_path_factory):
-    with running_server(tiny_dir, *TINY_OPTIONS, "--debug-checks", log_dir=tmp_path_factory.mktemp("logs")) as srv:
-        yield srv
+def server(start_server, tiny_dir):
+    return start_server(tiny_dir, *TINY_OPTIONS, "--debug-checks")
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # Lowest first. A unit (a top-level module or subpackage of radixserve, or frontend_lang) may
 # import units of lower layers; within a layer only the leaves of layer 0 may import each other.

@@ -16,8 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
-from http_helpers import Server, free_port, running_server
-from runtime_helpers import make_tiny_chat_model
+from http_helpers import Server, free_port
 from test_frontend_lang import (  # noqa: F401 - collected again, here against the server
     PAGE_SIZE,
     chat,
@@ -39,18 +38,12 @@ from radixserve.tokenizer import load_tokenizer
 
 API_KEY = "frontend-lang-test-key"
 OPTIONS = ("--dtype", "float32", "--page-size", str(PAGE_SIZE), "--kv-pages", "4096", "--api-key", API_KEY)
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return make_tiny_chat_model(tmp_path_factory.mktemp("fl_server_tiny") / "model")
-
-
-@pytest.fixture(scope="module")
-def server(tiny_dir, tmp_path_factory):
-    with running_server(tiny_dir, *OPTIONS, log_dir=tmp_path_factory.mktemp("fl_logs")) as srv:
-        yield srv
+def server(start_server, tiny_dir):
+    return start_server(tiny_dir, *OPTIONS)
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
-from http_helpers import HOST, TINY_OPTIONS, running_server
-from runtime_helpers import make_tiny_chat_model
+from http_helpers import HOST, TINY_OPTIONS
 
 # A long context, so that a prompt within the character bound can still take seconds to tokenize.
 CONTEXT = 65536
@@ -32,14 +31,13 @@ SLACK_S = 10.0  # a loaded machine may close a connection late, never this late
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    model = make_tiny_chat_model(tmp_path_factory.mktemp("hostile_tiny") / "model", max_position_embeddings=CONTEXT)
+def server(start_server, tiny_model):
+    model = tiny_model(max_position_embeddings=CONTEXT)
     options = (
         "--kv-pages", str(CONTEXT // 4),  # page size 4: the pool holds one full context
         "--header-timeout", str(HEADER_TIMEOUT), "--body-timeout", str(BODY_TIMEOUT),
     )
-    with running_server(model, *TINY_OPTIONS, *options, log_dir=tmp_path_factory.mktemp("logs")) as srv:
-        yield srv
+    return start_server(model, *TINY_OPTIONS, *options)
 
 
 def _while_polling_health(url: str, work: Callable[[], Any]) -> tuple[Any, float, int]:

@@ -78,7 +78,7 @@ def test_dtype_auto_is_bf16_here_and_stays_sane(chat_prompts, hf_outputs):
 def test_the_readme_engine_example_runs_as_a_script(tmp_path):
     """Saved to a file and run, the README's Engine example works as written: no
     `if __name__ == "__main__":` guard, since the spawned children do not re-run the script."""
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     example = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "from radixserve import Engine" in b)
     assert "__main__" not in example
     script = tmp_path / "example.py"

@@ -20,7 +20,6 @@ import openai
 import pytest
 from http_helpers import TINY_OPTIONS, running_server, sse_events
 from pydantic import BaseModel, Field
-from runtime_helpers import make_tiny_chat_model
 
 MODEL = "tiny-chat"
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris? Use the tools."}]
@@ -53,10 +52,8 @@ MAX_TOKENS = 400  # every schema here has bounded outputs; the grammar ends the 
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    tiny = make_tiny_chat_model(tmp_path_factory.mktemp("openai_tools") / "model")
-    with running_server(tiny, *TINY_OPTIONS, "--served-model-name", MODEL, log_dir=tmp_path_factory.mktemp("logs")) as srv:
-        yield srv
+def server(start_server, tiny_dir):
+    return start_server(tiny_dir, *TINY_OPTIONS, "--served-model-name", MODEL)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ import jsonschema
 import pytest
 import torch
 from http_helpers import TINY_OPTIONS, assert_pages_balanced, metric_samples, running_server
-from runtime_helpers import make_tiny_chat_model
 
 from radixserve import Engine
 from radixserve.front.types import InvalidRequest
@@ -44,10 +43,8 @@ SCHEMAS = [
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    tiny = make_tiny_chat_model(tmp_path_factory.mktemp("constrained") / "model")
-    with running_server(tiny, *TINY_OPTIONS, "--debug-checks", log_dir=tmp_path_factory.mktemp("logs")) as srv:
-        yield srv
+def server(start_server, tiny_dir):
+    return start_server(tiny_dir, *TINY_OPTIONS, "--debug-checks")
 
 
 @pytest.fixture(scope="module")
@@ -150,17 +147,16 @@ def test_a_repeated_schema_compiles_once_and_counts_a_cache_hit(client):
     assert _metric(client, "radixserve_grammar_compile_seconds_count") >= compiles + 1
 
 
-def test_constrained_outputs_survive_retraction_token_for_token(tmp_path_factory):
+def test_constrained_outputs_survive_retraction_token_for_token(tiny_dir):
     """A pool too small for the batch retracts requests mid-output; each matcher stays with its
     request, so the outputs are the roomy pool's, token for token, and all validate."""
-    tiny = make_tiny_chat_model(tmp_path_factory.mktemp("constrained_tight") / "model")
     schema = {"type": "array", "items": {"type": "integer", "minimum": 100, "maximum": 999}, "minItems": 9, "maxItems": 9}
     texts = [f"Numbers {i}: " + "one two three " * (i % 4) for i in range(12)]
     params = [{"max_new_tokens": 60, "temperature": 0.0, **({"json_schema": json.dumps(schema)} if i % 3 else {"ignore_eos": True})}
               for i in range(12)]
-    with Engine(model=str(tiny), dtype="float32", page_size=4, kv_pages=512) as roomy:
+    with Engine(model=str(tiny_dir), dtype="float32", page_size=4, kv_pages=512) as roomy:
         expected = [o["output_ids"] for o in roomy.generate(texts, params)]
-    with Engine(model=str(tiny), dtype="float32", page_size=4, kv_pages=40, debug_checks=True) as tight:
+    with Engine(model=str(tiny_dir), dtype="float32", page_size=4, kv_pages=40, debug_checks=True) as tight:
         outs = tight.generate(texts, params)
         assert tight.get_stats()["num_retractions_total"] > 0
     assert [o["output_ids"] for o in outs] == expected
@@ -169,9 +165,8 @@ def test_constrained_outputs_survive_retraction_token_for_token(tmp_path_factory
             jsonschema.validate(json.loads(out["text"]), schema)
 
 
-def test_a_compile_that_takes_too_long_is_a_400(tmp_path_factory):
-    tiny = make_tiny_chat_model(tmp_path_factory.mktemp("constrained_timeout") / "model")
-    with running_server(tiny, *TINY_OPTIONS, "--grammar-compile-timeout", "0.001", log_dir=tmp_path_factory.mktemp("logs")) as srv, \
+def test_a_compile_that_takes_too_long_is_a_400(tiny_dir, tmp_path_factory):
+    with running_server(tiny_dir, *TINY_OPTIONS, "--grammar-compile-timeout", "0.001", log_dir=tmp_path_factory.mktemp("logs")) as srv, \
             httpx.Client(base_url=srv.url, timeout=60) as c:
         schema = {"type": "object", "properties": {f"k{i}": {"type": "array", "items": {"type": "string"}} for i in range(40)}}
         r = generate(c, {"json_schema": json.dumps(schema)})

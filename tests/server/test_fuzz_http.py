@@ -15,8 +15,7 @@ import json
 import re
 
 import pytest
-from http_helpers import TINY_OPTIONS, running_server
-from runtime_helpers import make_tiny_chat_model
+from http_helpers import TINY_OPTIONS
 
 from bench.robustness.fuzz import (
     GENERATING,
@@ -54,12 +53,9 @@ TARGET = Target(model_name="tiny", vocab_size=49152, context_len=2048, max_body_
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    model = make_tiny_chat_model(tmp_path_factory.mktemp("fuzz_tiny") / "model")
-    options = (*TINY_OPTIONS, "--served-model-name", "tiny", "--max-body-bytes", str(BODY_LIMIT),
-               "--log-level", "warning")
-    with running_server(model, *options, log_dir=tmp_path_factory.mktemp("logs")) as srv:
-        yield srv
+def server(start_server, tiny_dir):
+    return start_server(tiny_dir, *TINY_OPTIONS, "--served-model-name", "tiny", "--max-body-bytes", str(BODY_LIMIT),
+                        "--log-level", "warning")
 
 
 def test_encode_writes_what_json_dumps_cannot():

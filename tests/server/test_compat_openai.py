@@ -10,8 +10,7 @@ import json
 import httpx
 import openai
 import pytest
-from http_helpers import TINY_OPTIONS, running_server
-from runtime_helpers import make_tiny_chat_model
+from http_helpers import TINY_OPTIONS
 
 MODEL = "tiny-chat"
 PROMPT = "The quick brown fox jumps over the lazy dog"
@@ -19,10 +18,8 @@ MESSAGES = [{"role": "user", "content": "Tell me about foxes."}]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    tiny = make_tiny_chat_model(tmp_path_factory.mktemp("compat_openai") / "model")
-    with running_server(tiny, *TINY_OPTIONS, "--served-model-name", MODEL, log_dir=tmp_path_factory.mktemp("logs")) as srv:
-        yield srv
+def server(start_server, tiny_dir):
+    return start_server(tiny_dir, *TINY_OPTIONS, "--served-model-name", MODEL)
 
 
 @pytest.fixture(scope="module")

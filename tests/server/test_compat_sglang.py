@@ -18,10 +18,8 @@ from http_helpers import (
     TINY_OPTIONS,
     assert_pages_balanced,
     raw_request,
-    running_server,
     sse_events,
 )
-from runtime_helpers import make_tiny_chat_model
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
 GREEDY = {"temperature": 0.0}
@@ -37,10 +35,8 @@ RUNTIME_ENDPOINT_SAMPLING = {
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    tiny = make_tiny_chat_model(tmp_path_factory.mktemp("compat_sglang") / "model")
-    with running_server(tiny, *TINY_OPTIONS, log_dir=tmp_path_factory.mktemp("logs")) as srv:
-        yield srv
+def server(start_server, tiny_dir):
+    return start_server(tiny_dir, *TINY_OPTIONS)
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +185,7 @@ def test_stop_regex_is_a_clear_400(client):
     ("ebnf", 'root ::= "a" | "b"', lambda text: text in ("a", "b")),
 ])
 def test_sglang_constrained_decoding_fields(client, key, value, check):
-    """SGLang's own client sends these keys (null when unused); see tests/test_constrained.py."""
+    """SGLang's own client sends these keys (null when unused); see tests/server/test_constrained.py."""
     out = _generate(client, text=PROMPT, sampling_params={**GREEDY, "max_new_tokens": 32, key: value})
     assert check(out["text"]), out
 

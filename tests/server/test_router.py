@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 from http_helpers import HOST, TINY_OPTIONS, running_server, sse_events, wait_gone
-from runtime_helpers import children_of, make_tiny_chat_model
+from runtime_helpers import children_of
 
 from radixserve.placement import usable_cpus
 from radixserve.replicas import router_available, serve_replicas, split_cores
@@ -71,14 +71,9 @@ def free_ports(count: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_chat_model(tmp_path_factory.mktemp("router") / "model")
-
-
-@pytest.fixture(scope="module")
-def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
+def cluster(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     log_dir = tmp_path_factory.mktemp("router_logs")
-    with serve_replicas(str(tiny_model), 2, free_ports(3), threads_per_replica=1, options=TINY_OPTIONS,
+    with serve_replicas(str(tiny_dir), 2, free_ports(3), threads_per_replica=1, options=TINY_OPTIONS,
                         log_dir=log_dir, startup_timeout=180) as (replicas, router):
         yield replicas, router
 
@@ -90,13 +85,13 @@ def _generate(url: str, text: str, **extra) -> dict:
     return r.json()
 
 
-def test_generate_accepts_what_the_router_adds(tiny_model: Path, tmp_path: Path):
+def test_generate_accepts_what_the_router_adds(tiny_dir: Path, tmp_path: Path):
     """The router re-serializes /generate with SGLang's defaults; a replica must take them, and
     still refuse what it does not do (without the router installed, too)."""
     added = {"model": None, "return_text_in_logprobs": False, "stream": False, "log_metrics": True,
              "return_hidden_states": False, "background": False, "no_logs": False, "return_bytes": False,
              "return_entropy": False}
-    with running_server(tiny_model, *TINY_OPTIONS, log_dir=tmp_path) as server:
+    with running_server(tiny_dir, *TINY_OPTIONS, log_dir=tmp_path) as server:
         name = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
         for extra, status in [(added, 200), ({**added, "model": name}, 200), ({"model": "other"}, 404),
                               ({"log_metrics": "yes"}, 400), ({"background": True}, 400),
@@ -181,8 +176,8 @@ def test_cache_aware_routes_a_prefix_back_to_its_replica(cluster):
 
 
 @pytest.fixture
-def fresh_cluster(tiny_model: Path, tmp_path: Path):
-    with serve_replicas(str(tiny_model), 2, free_ports(3), threads_per_replica=1, options=TINY_OPTIONS,
+def fresh_cluster(tiny_dir: Path, tmp_path: Path):
+    with serve_replicas(str(tiny_dir), 2, free_ports(3), threads_per_replica=1, options=TINY_OPTIONS,
                         log_dir=tmp_path, startup_timeout=180) as (replicas, router):
         yield replicas, router
 

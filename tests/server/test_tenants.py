@@ -13,8 +13,7 @@ import time
 
 import httpx
 import pytest
-from http_helpers import TINY_OPTIONS, metric_samples, running_server
-from runtime_helpers import make_tiny_chat_model
+from http_helpers import TINY_OPTIONS, metric_samples
 
 from radixserve.http.tenants import derived_name, load_api_key_file, namespace
 
@@ -39,21 +38,16 @@ def _auth(key: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return make_tiny_chat_model(tmp_path_factory.mktemp("tenants_tiny") / "model")
-
-
-@pytest.fixture(scope="module")
-def server(tiny_dir, tmp_path_factory):
+def server(start_server, tiny_dir, tmp_path_factory):
     folder = tmp_path_factory.mktemp("tenants")
     keys = folder / "keys.txt"
     keys.write_text(KEY_FILE)
     # pages for every prompt the timing test caches (4 tokens a page): nothing is evicted
     options = (*TINY_OPTIONS, "--kv-pages", "120000", "--api-key-file", str(keys))
-    with running_server(tiny_dir, *options, log_dir=folder) as srv:
-        yield srv
-        log = srv.log()
-        assert not any(k in log for k in ALL_KEYS), "a key was logged"
+    srv = start_server(tiny_dir, *options)
+    yield srv
+    log = srv.log()
+    assert not any(k in log for k in ALL_KEYS), "a key was logged"
 
 
 def _generate(server, key: str, *, text: str | None = None, input_ids: list[int] | None = None,
