@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from radixserve.front.types import InvalidRequest
+from radixserve.front.types import InvalidRequest, json_type
 from radixserve.http.openai.tool_call_parser import ToolCallFormat
 from radixserve.tokenizer import apply_chat_template
 
@@ -115,6 +115,11 @@ def _choice(choice: Any, names: set[str]) -> tuple[str, str | None]:
         return choice, None
     if isinstance(choice, Mapping) and choice.get("type") == "function" and isinstance(choice.get("function"), Mapping):
         name = choice["function"].get("name")
+        if not isinstance(name, str):
+            raise InvalidRequest(
+                f"`tool_choice.function.name` must be the name of a function in `tools` (a string), got {json_type(name)}",
+                param="tool_choice",
+            )
         if name not in names:
             raise InvalidRequest(f"`tool_choice` names the function {name!r}, which is not in `tools`", param="tool_choice")
         return "named", name
