@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from radixserve.front.types import InvalidRequest
+from radixserve.front.validation.inputs import check_pin_options
 from radixserve.http.openai.tool_requests import parse_tool_request
 
 WEATHER = {"type": "function", "function": {
@@ -29,3 +30,15 @@ def _error(fn, *args, **kwargs) -> InvalidRequest:
 def test_tool_choice_with_a_name_that_is_not_a_string_is_a_400(choice):
     err = _error(parse_tool_request, {"tools": [WEATHER], "tool_choice": choice})
     assert err.param == "tool_choice" and "tool_choice" in err.message
+
+
+@pytest.mark.parametrize("ttl", [10**400, -(10**400), float("inf"), float("nan"), 0, -1, "5", True], ids=["400 digits", "-400 digits", "inf", "nan", "0", "-1", "string", "bool"])
+def test_pin_ttl_out_of_range_is_a_400(ttl):
+    err = _error(check_pin_options, "memory", ttl, False)
+    assert err.param == "ttl" and "`ttl`" in err.message
+
+
+def test_pin_ttl_in_range():
+    assert check_pin_options("memory", 10**300, False) == ("memory", 1e300)
+    assert check_pin_options("memory", 2, False) == ("memory", 2.0)
+    assert check_pin_options("memory", None, False) == ("memory", None)

@@ -236,13 +236,13 @@ def _float(given: Mapping[str, Any], key: str) -> float:
     value = given[key]
     if type(value) not in (int, float):
         raise InvalidRequest(f"{key} must be a number, got {json_type(value)}", key)
-    number = _finite(value)
+    number = finite_float(value)
     if number is None:
         raise InvalidRequest(f"{key} must be a finite number, got {_short(value)}", key)
     return number
 
 
-def _finite(value: int | float) -> float | None:
+def finite_float(value: int | float) -> float | None:
     """The value as a finite float, or None (NaN, infinities, and JSON integers too large for
     a float, which msgspec decodes as exact ints)."""
     try:
@@ -306,7 +306,7 @@ def _logit_bias(value: Any, vocab_size: int, max_entries: int) -> dict[int, floa
                 f"logit_bias key {_short(key)} is not a token id: keys must be ASCII decimal "
                 f"integers in [0, {vocab_size})", "logit_bias",
             )
-        number = _finite(bias) if type(bias) in (int, float) else None
+        number = finite_float(bias) if type(bias) in (int, float) else None
         if number is None or not -100 <= number <= 100:
             raise InvalidRequest(
                 f"logit_bias[{_short(key)}] must be a number between -100 and 100, got {_short(bias)}",
