@@ -414,22 +414,28 @@ class ToolCallParser:
 
     def _whole_block(self, body_start: int) -> _Opening | str:
         """A hermes block whose object does not begin with name then arguments: a call if the
-        JSON between the markers is one, decided once the closing marker is there."""
+        JSON between the markers is one, decided once the closing marker is there. A block that
+        is not a call (its name not a string, its JSON nested deeper than Python's parser goes)
+        is content."""
         close = self._text.find(self.fmt.close, body_start)
         if close < 0:
             return _PARTIAL
         try:
             obj = json.loads(self._text[body_start:close])
-        except ValueError:
+        except (ValueError, RecursionError):
             return _FAIL
-        if not isinstance(obj, dict) or obj.get("name") not in self.tool_names:
+        name = obj.get("name") if isinstance(obj, dict) else None
+        if not isinstance(name, str) or name not in self.tool_names:
             return _FAIL
         args_key = next((key for key in self.fmt.args_keys if key in obj), None)
         if args_key is None:
             return _FAIL
         args = obj[args_key]
-        arguments = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-        return _Opening(end=close + len(self.fmt.close), name=obj["name"], arguments=arguments)
+        try:
+            arguments = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+        except RecursionError:
+            return _FAIL
+        return _Opening(end=close + len(self.fmt.close), name=name, arguments=arguments)
 
     def _start_call(self, events: list[Event], opening: _Opening) -> None:
         if opening.name is None:  # llama's preamble: dropped, and whitespace after it too
