@@ -145,3 +145,9 @@ def test_schemas_the_grammar_enforces_pass(name):
 def test_tool_choice_auto_shows_unenforceable_schemas_without_refusing_them():
     """Nothing is compiled for `auto`: the schema is only shown to the model, as OpenAI does."""
     assert parse_tool_request({"tools": [_tool({"not": {}})], "tool_choice": "auto"}).choice == "auto"
+
+
+def test_the_path_in_a_schema_error_is_cut_short():
+    schema = {"type": "object", "properties": {"k" * 5000: {"type": "object", "properties": {"b": {"not": {}}}}}}
+    err = _error(body_constraint, {"json_schema": schema})
+    assert "properties.b" in err.message and len(err.message) < 500

@@ -46,7 +46,7 @@ def check_json_schema(schema: Any, what: str, param: str) -> None:
         node, path = stack.pop()
         if not isinstance(node, Mapping):
             continue  # true / false, or a malformed subschema xgrammar will refuse itself
-        where = f"{what}{' at ' + path if path else ''}"
+        where = f"{what}{' at ' + _short_path(path) if path else ''}"
         for key in node:
             if key in _UNENFORCED:
                 raise InvalidRequest(f"{where}: {_UNENFORCED[key]} cannot be enforced by the grammar; remove it", param)
@@ -87,6 +87,11 @@ def check_depth(value: Any, what: str, param: str, limit: int = MAX_SCHEMA_DEPTH
         if depth > limit:
             raise InvalidRequest(f"{what} is nested more than {limit} levels deep; at most {limit} are allowed", param)
         stack.extend((child, depth + 1) for child in children if isinstance(child, (Mapping, list)))
+
+
+def _short_path(path: str, limit: int = 200) -> str:
+    """A path in the schema for a message: its end, when property names make it long."""
+    return path if len(path) <= limit else f"...{path[-limit:]}"
 
 
 def _short(value: Any, limit: int = 60) -> str:
