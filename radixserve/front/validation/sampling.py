@@ -97,9 +97,9 @@ def parse_sampling_params(
 def _grammar(raw: Mapping[str, Any], limits: Limits) -> Grammar | None:
     """At most one of `json_schema`, `regex`, `ebnf`, `structural_tag` (as SGLang allows): its
     source as text. Only what is cheap is checked here (type, size, JSON syntax); the scheduler
-    compiles it and refuses what xgrammar cannot compile, with xgrammar's message. A JSON schema
-is also refused when nested too deeply or using a keyword the grammar cannot enforce
-(`schemas.check_json_schema`)."""
+    compiles it and refuses what xgrammar cannot compile, with xgrammar's message. A JSON
+    schema is also refused when nested too deeply or using a keyword the grammar cannot enforce
+    (`schemas.check_json_schema`)."""
     given = [k for k in GRAMMAR_KINDS if raw.get(k) is not None]
     if not given:
         return None
