@@ -43,7 +43,7 @@ async def pin(request: Request) -> Response:
     state: ServerState = request.app.state.server
     body = await _body(request, state, _PIN_FIELDS)
     tier, ttl = check_pin_options(body.get("tier", "memory"), body.get("ttl"), bool(state.config.kv_disk_dir))
-    ids, ns = _prefix(request, state, body)
+    ids, ns = await _prefix(request, state, body)
     done = await state.get_manager().pin(ids, ns, tier, ttl)
     if done.pin is None:
         raise HTTPError(409, done.error or "the prefix could not be pinned", code="pin_refused")
@@ -65,7 +65,7 @@ async def unpin(request: Request) -> Response:
         released = (await manager.unpin([pin_id], [], None)).pins if pin_id in mine else []
         what = f"no pin {pin_id}"
     else:
-        ids, ns = _prefix(request, state, body)
+        ids, ns = await _prefix(request, state, body)
         released = (await manager.unpin([], ids, ns)).pins
         what = "no pin of that prefix"
     if not released:
@@ -88,11 +88,13 @@ async def _body(request: Request, state: ServerState, known: frozenset[str]) -> 
     return body
 
 
-def _prefix(request: Request, state: ServerState, body: dict[str, Any]) -> tuple[list[int], str | None]:
-    """The prefix's token ids and its namespace: the caller's tenant's, narrowed by its salt."""
-    ids, salt = build_prefix(
-        state.tokenizer, state.ready, state.limits, text=body.get("text"), input_ids=body.get("input_ids"),
-        cache_salt=body.get("cache_salt"),
+async def _prefix(request: Request, state: ServerState, body: dict[str, Any]) -> tuple[list[int], str | None]:
+    """The prefix's token ids and its namespace: the caller's tenant's, narrowed by its salt.
+    Tokenized in the prepare threads, as /generate's prompts are: a long text tokenized on the
+    event loop would hold up every route, /health included."""
+    ids, salt = await state.prepare(
+        build_prefix, state.tokenizer, state.ready, state.limits, text=body.get("text"),
+        input_ids=body.get("input_ids"), cache_salt=body.get("cache_salt"),
     )
     tenant = request.scope.get(SCOPE_KEY)
     return ids, salt if tenant is None else namespace(tenant, salt)

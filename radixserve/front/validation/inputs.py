@@ -6,7 +6,6 @@ bad ones with the same messages.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from radixserve.front.types import GenerateRequest, InvalidRequest
@@ -14,6 +13,7 @@ from radixserve.front.validation.limits import Limits
 from radixserve.front.validation.sampling import (
     check_lengths,
     check_prompt_chars,
+    finite_float,
     parse_sampling_params,
     validate_input_ids,
 )
@@ -95,9 +95,13 @@ def check_pin_options(tier: Any, ttl: Any, disk_tier: bool) -> tuple[str, float 
         raise InvalidRequest(f"`tier` must be one of {', '.join(PIN_TIERS)}", param="tier")
     if tier == "disk" and not disk_tier:
         raise InvalidRequest("`tier` \"disk\" needs the disk tier: start the server with --kv-disk-dir", param="tier")
-    if ttl is not None and (type(ttl) not in (int, float) or not math.isfinite(ttl) or ttl <= 0):
-        raise InvalidRequest("`ttl` must be a number of seconds > 0 (omit it to pin until unpinned)", param="ttl")
-    return tier, None if ttl is None else float(ttl)
+    if ttl is None:
+        return tier, None
+    seconds = finite_float(ttl) if type(ttl) in (int, float) else None
+    if seconds is None or seconds <= 0:
+        raise InvalidRequest("`ttl` must be a finite number of seconds > 0 (omit it to pin until unpinned)", param="ttl")
+    return tier, seconds
+
 
 
 def _prompts(tokenizer: Any, text: Any, input_ids: Any, limits: Limits, context_len: int) -> tuple[list[Any], bool]:

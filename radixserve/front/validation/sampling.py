@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 from radixserve.front.types import InvalidRequest, json_type
 from radixserve.front.validation.limits import Limits
+from radixserve.front.validation.schemas import check_json_schema
 from radixserve.protocol import GRAMMAR_KINDS, Grammar, SamplingParams
 
 MAX_SEED = 2**63 - 1
@@ -96,7 +97,9 @@ def parse_sampling_params(
 def _grammar(raw: Mapping[str, Any], limits: Limits) -> Grammar | None:
     """At most one of `json_schema`, `regex`, `ebnf`, `structural_tag` (as SGLang allows): its
     source as text. Only what is cheap is checked here (type, size, JSON syntax); the scheduler
-    compiles it and refuses what xgrammar cannot compile, with xgrammar's message."""
+    compiles it and refuses what xgrammar cannot compile, with xgrammar's message. A JSON
+    schema is also refused when nested too deeply or using a keyword the grammar cannot enforce
+    (`schemas.check_json_schema`)."""
     given = [k for k in GRAMMAR_KINDS if raw.get(k) is not None]
     if not given:
         return None
@@ -110,6 +113,8 @@ def _grammar(raw: Mapping[str, Any], limits: Limits) -> Grammar | None:
     parsed: Any = None
     if isinstance(value, dict) and is_json:
         parsed = value
+        if kind == "json_schema":  # before dumps walks it recursively
+            check_json_schema(value, kind, kind)
         try:
             value = json.dumps(value)  # an object is taken as the JSON it spells
         except RecursionError:
@@ -130,6 +135,8 @@ def _grammar(raw: Mapping[str, Any], limits: Limits) -> Grammar | None:
                 raise InvalidRequest(f"{kind} is nested too deeply", kind) from None
         if not isinstance(parsed, (dict, bool)) or (kind == "structural_tag" and not isinstance(parsed, dict)):
             raise InvalidRequest(f"{kind} must be a JSON object, got {json_type(parsed)}", kind)
+        if kind == "json_schema" and parsed is not raw[kind]:  # given as text: checked once parsed
+            check_json_schema(parsed, kind, kind)
     return Grammar(kind, value)
 
 
@@ -236,13 +243,13 @@ def _float(given: Mapping[str, Any], key: str) -> float:
     value = given[key]
     if type(value) not in (int, float):
         raise InvalidRequest(f"{key} must be a number, got {json_type(value)}", key)
-    number = _finite(value)
+    number = finite_float(value)
     if number is None:
         raise InvalidRequest(f"{key} must be a finite number, got {_short(value)}", key)
     return number
 
 
-def _finite(value: int | float) -> float | None:
+def finite_float(value: int | float) -> float | None:
     """The value as a finite float, or None (NaN, infinities, and JSON integers too large for
     a float, which msgspec decodes as exact ints)."""
     try:
@@ -306,7 +313,7 @@ def _logit_bias(value: Any, vocab_size: int, max_entries: int) -> dict[int, floa
                 f"logit_bias key {_short(key)} is not a token id: keys must be ASCII decimal "
                 f"integers in [0, {vocab_size})", "logit_bias",
             )
-        number = _finite(bias) if type(bias) in (int, float) else None
+        number = finite_float(bias) if type(bias) in (int, float) else None
         if number is None or not -100 <= number <= 100:
             raise InvalidRequest(
                 f"logit_bias[{_short(key)}] must be a number between -100 and 100, got {_short(bias)}",

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixserve.front.types import InvalidRequest
+from radixserve.front.validation.schemas import check_json_schema
 
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 ANY_OBJECT = {"type": "object"}
@@ -73,6 +74,8 @@ def _response_format(fmt: Any) -> Constraint | None:
         schema = spec.get("schema")
         if schema is not None and not isinstance(schema, (Mapping, bool)):
             raise InvalidRequest("`response_format.json_schema.schema` must be a JSON schema object", param="response_format")
+        if schema is not None:
+            check_json_schema(schema, "`response_format.json_schema.schema`", "response_format")
         for key in ("strict",):
             if spec.get(key) is not None and type(spec[key]) is not bool:
                 raise InvalidRequest(f"`response_format.json_schema.{key}` must be a boolean", param="response_format")
@@ -100,6 +103,8 @@ def _extensions(body: Mapping[str, Any]) -> list[Constraint | None]:
                 raise InvalidRequest("`guided_choice` must be a non-empty list of strings", param=key)
             value = "root ::= " + " | ".join(json.dumps(v, ensure_ascii=False) for v in value)
         elif kind in ("json_schema", "structural_tag") and isinstance(value, (Mapping, bool)):
+            if kind == "json_schema":
+                check_json_schema(value, f"`{key}`", key)
             value = json.dumps(value, ensure_ascii=False)
         if not isinstance(value, str):
             raise InvalidRequest(f"`{key}` must be a string", param=key)

@@ -17,12 +17,17 @@ wherever the token boundaries fall. Its rules:
   the arguments' JSON text is streamed as the model writes it, up to where the value ends.
 - Anything else stays content: a ``<tool_call>`` followed by something that is not a call, an
   object naming an unknown tool, a hermes block whose JSON does not parse. Text that may still
-  become the start of a call (``<tool_ca`` at the end) is held back until decided, and at the end
-  of generation it is content.
+  become the start of a call (``<tool_ca`` at the end) is held back until decided, for at most
+  `LOOKAHEAD_CHARS` (1,024) characters from where the call would start; past that, or at the end
+  of generation, it is content. An opening is decided as soon as it can: an object whose name
+  is a prefix of no tool's (llama) is content at once.
 - Whitespace next to a call (the newline before ``<tool_call>``, the ``;`` and newlines between
   llama calls) is dropped, so a message that is only calls has no content.
 - A hermes call written with its keys in another order (arguments before name) is recognized
-  once its closing ``</tool_call>`` arrives, and its arguments are re-serialized JSON.
+  once its closing ``</tool_call>`` arrives within the look-ahead, and its arguments are
+  re-serialized JSON.
+- The work is linear in the text however it is cut into feeds: an opening's scan is a generator
+  resumed where the last feed ran out, and whitespace held back is not scanned twice.
 
 The arguments string is the model's own JSON text of the value (whitespace and key order as
 written), which is what makes the streamed fragments and the final string agree.
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -137,6 +143,11 @@ def parse_tool_calls(fmt: ToolCallFormat, tool_names: set[str] | frozenset[str],
 
 _PARTIAL = "partial"  # the text ends before the answer is known
 _FAIL = "fail"
+# Text that may still open a call is held back for at most this many characters from where the
+# call would start (its marker, or llama's `{`): an opening not decided by then (a `"type"` value
+# that never ends, a hermes block with arguments before name that does not close) is content.
+# An opening written as models write it (marker, name, arguments key) takes under 150.
+LOOKAHEAD_CHARS = 1024
 
 
 def _skip_ws(text: str, i: int) -> int:
@@ -160,29 +171,6 @@ def _literal(text: str, i: int, lit: str) -> int | str:
     return _PARTIAL if lit.startswith(tail) else _FAIL
 
 
-def _json_string(text: str, i: int) -> tuple[str, int] | str:
-    """A JSON string starting at i (its opening quote): (value, index after it)."""
-    if i >= len(text):
-        return _PARTIAL
-    if text[i] != '"':
-        return _FAIL
-    j = i + 1
-    while j < len(text):
-        c = text[j]
-        if c == "\\":
-            j += 2
-            continue
-        if c == '"':
-            try:
-                return json.loads(text[i : j + 1]), j + 1
-            except ValueError:
-                return _FAIL
-        if c < " ":  # a raw control character: not JSON
-            return _FAIL
-        j += 1
-    return _PARTIAL
-
-
 @dataclass
 class _ValueScanner:
     """Finds where one JSON value ends in text that grows, resuming where it stopped. It matches
@@ -195,14 +183,16 @@ class _ValueScanner:
     escape: bool = False
     kind: str = ""  # "container", "string" or "scalar" once the first character is seen
 
-    def end(self, text: str) -> int | None:
-        """Index just after the value, or None while it is incomplete."""
+    def end(self, text: str, stop: int | None = None) -> int | None:
+        """Index just after the value, or None while it is incomplete (in text[:stop])."""
+        stop = len(text) if stop is None else stop
         if not self.kind:  # whitespace before the value is not part of it
-            self.start = _skip_ws(text, self.start)
+            while self.start < stop and text[self.start] in _WS:
+                self.start += 1
             self.pos = self.start
         i = self.pos
         if not self.kind:
-            if i >= len(text):
+            if i >= stop:
                 return None
             c = text[i]
             self.kind = "container" if c in "{[" else "string" if c == '"' else "scalar"
@@ -211,7 +201,7 @@ class _ValueScanner:
             elif self.kind == "string":
                 self.in_string = True
             i += 1
-        while i < len(text):
+        while i < stop:
             c = text[i]
             if self.kind == "scalar":
                 if c in _WS or c in ",}];":
@@ -258,12 +248,29 @@ class _Opening:
     arguments: str | None = None
 
 
+# A scan of one possible opening: a generator that yields while it needs text beyond the
+# parser's `_stop`, and returns an `_Opening` or `_FAIL`.
+_Scan = Generator[None, None, "_Opening | str"]
+
+
+@dataclass
+class _Candidate:
+    """Where a call may open, and its scan, kept across feeds: each feed resumes it where the
+    text ran out, so text held back is read once, not once per token."""
+
+    at: int
+    scan: _Scan
+    content_end: int  # the content before it ends here (its whitespace waits with it)
+    result: _Opening | str | None = None
+
+
 class ToolCallParser:
     """One sample's text in (cumulative, as the front builds it), content and call deltas out.
 
     `feed(text)` takes the whole text so far (it only ever grows) and returns what can be decided
     now; `feed(text, final=True)` at the end of generation decides the rest. `calls` holds the
-    calls found so far, their arguments as streamed."""
+    calls found so far, their arguments as streamed. Each character is scanned a bounded number
+    of times however the text is cut into feeds: the scanners keep their state between feeds."""
 
     def __init__(self, fmt: ToolCallFormat, tool_names: set[str] | frozenset[str]) -> None:
         self.fmt = fmt
@@ -275,6 +282,10 @@ class ToolCallParser:
         self._after_call = False  # drop whitespace (and llama's `;`) that follows a call
         self._scanner: _ValueScanner | None = None
         self._args_sent = 0  # index up to which the current call's arguments are streamed
+        self._candidate: _Candidate | None = None  # the opening being decided
+        self._stop = 0  # how far the candidate's scan may read: its look-ahead, or the text's end
+        self._ws_until = 0  # text[_pos:_ws_until] is known whitespace (held back content)
+        self._tail_at = 0  # how far a call's tail has been skipped
 
     def feed(self, text: str, final: bool = False) -> list[Event]:
         if len(text) < len(self._text):
@@ -313,15 +324,16 @@ class ToolCallParser:
                 # no call can start in the rest: content, but trailing whitespace waits (it is
                 # dropped if a call follows, and at the end if the message has calls)
                 keep_ws = final and not self.calls
-                self._emit_content(events, i, len(text) if keep_ws else _end_before_ws(text, i, len(text)))
+                self._emit_content(events, i, len(text) if keep_ws else self._end_of_content(i))
                 return
-            found = self._call_at(k)
+            found = self._call_at(k, i)
             if found == _FAIL:
                 k += 1
                 continue
             # content up to the candidate, less the whitespace before it (dropped if a call
             # opens there)
-            self._emit_content(events, i, _end_before_ws(text, i, k))
+            assert self._candidate is not None
+            self._emit_content(events, i, self._candidate.content_end)
             if found == _PARTIAL:
                 if final:  # never completed: content after all
                     self._emit_content(events, self._pos, len(text))
@@ -329,6 +341,15 @@ class ToolCallParser:
             assert isinstance(found, _Opening)
             self._start_call(events, found)
             return
+
+    def _end_of_content(self, i: int) -> int:
+        """The end of text[i:] less its trailing whitespace. Whitespace already found at the end
+        of the text (held back, since a call may follow) is not scanned again."""
+        text = self._text
+        lo = max(i, self._ws_until)
+        end = _end_before_ws(text, lo, len(text))
+        self._ws_until = len(text)
+        return i if end == lo else end
 
     def _emit_content(self, events: list[Event], start: int, end: int) -> None:
         start = max(start, self._pos)
@@ -346,52 +367,117 @@ class ToolCallParser:
         starts = [s for s in starts if s >= 0]
         return min(starts) if starts else None
 
-    def _call_at(self, k: int) -> _Opening | str:
+    def _call_at(self, k: int, content_from: int) -> _Opening | str:
         """Whether a call opens at k: its `_Opening`, `_PARTIAL` (cannot tell yet) or `_FAIL`.
-        llama's preamble counts as an opening without a call (it is dropped)."""
-        text, fmt = self._text, self.fmt
-        if fmt.preamble and text.startswith(fmt.preamble[0], k):
-            at = _literal(text, k, fmt.preamble)
+        The scan of k resumes where the last feed left it; one still undecided once the text
+        reaches `LOOKAHEAD_CHARS` past k fails (what it read is content). It reads nothing past
+        that, so the answer does not depend on how the text was cut into feeds."""
+        cand = self._candidate
+        if cand is None or cand.at != k:
+            end = _end_before_ws(self._text, content_from, k)
+            cand = self._candidate = _Candidate(k, self._scan_call(k), end)
+        if cand.result is None:
+            self._stop = min(len(self._text), k + LOOKAHEAD_CHARS)
+            try:
+                next(cand.scan)
+            except StopIteration as done:
+                cand.result = done.value
+            else:
+                if self._stop < k + LOOKAHEAD_CHARS:
+                    return _PARTIAL
+                cand.result = _FAIL
+        return cand.result
+
+    # -- scanning an opening (generators: `yield` waits for more text)
+
+    def _wait(self, i: int) -> Generator[None, None, None]:
+        """Returns once text[i] may be read."""
+        while i >= self._stop:
+            yield
+
+    def _scan_ws(self, i: int) -> Generator[None, None, int]:
+        while True:
+            yield from self._wait(i)
+            if self._text[i] not in _WS:
+                return i
+            i += 1
+
+    def _scan_literal(self, i: int, lit: str) -> Generator[None, None, int | str]:
+        for n, c in enumerate(lit):
+            yield from self._wait(i + n)
+            if self._text[i + n] != c:
+                return _FAIL
+        return i + len(lit)
+
+    def _scan_string(self, i: int, names: frozenset[str] | None = None) -> Generator[None, None, tuple[str, int] | str]:
+        """A JSON string at i: (value, index after it). With `names`, fail as soon as the string
+        cannot be one of them (no escapes: a prefix of none of them)."""
+        yield from self._wait(i)
+        if self._text[i] != '"':
+            return _FAIL
+        j, escaped = i + 1, False
+        while True:
+            yield from self._wait(j)
+            c = self._text[j]
+            if c == "\\":
+                escaped = True
+                j += 2
+                continue
+            if c == '"':
+                try:
+                    return json.loads(self._text[i : j + 1]), j + 1
+                except ValueError:
+                    return _FAIL
+            if c < " ":  # a raw control character: not JSON
+                return _FAIL
+            j += 1
+            if names is not None and not escaped:
+                so_far = self._text[i + 1 : j]
+                if not any(n.startswith(so_far) for n in names):
+                    return _FAIL
+
+    def _scan_call(self, k: int) -> _Scan:
+        """llama's preamble (an opening without a call: it is dropped), or the marker (hermes)
+        then the header, or (hermes) a whole block whose keys come in another order."""
+        fmt = self.fmt
+        if fmt.preamble and self._text.startswith(fmt.preamble[0], k):
+            at = yield from self._scan_literal(k, fmt.preamble)
             if isinstance(at, int):
                 return _Opening(end=at)
-            if at == _PARTIAL:
-                return _PARTIAL
-            if text[k] != "{":
+            if self._text[k] != "{":
                 return _FAIL
         i = k
         if fmt.open:
-            at = _literal(text, k, fmt.open)
+            at = yield from self._scan_literal(k, fmt.open)
             if not isinstance(at, int):
                 return at
-            i = _skip_ws(text, at)
-        head = self._header(i)
+            i = yield from self._scan_ws(at)
+        head = yield from self._scan_header(i)
         if head == _FAIL and fmt.open:
-            return self._whole_block(at)
+            return (yield from self._scan_block(at))
         return head
 
-    def _header(self, i: int) -> _Opening | str:
+    def _scan_header(self, i: int) -> _Scan:
         """`{`, the name of a known tool and the arguments key, in that order (a `"type"` key may
         come first, as some Llama models write it)."""
-        text = self._text
-        if i >= len(text):
-            return _PARTIAL
-        if text[i] != "{":
+        yield from self._wait(i)
+        if self._text[i] != "{":
             return _FAIL
         i += 1
         name = None
         while True:
-            i = _skip_ws(text, i)
-            key = _json_string(text, i)
+            i = yield from self._scan_ws(i)
+            key = yield from self._scan_string(i)
             if isinstance(key, str):
                 return key
             key, i = key
-            i = _skip_ws(text, i)
-            at = _literal(text, i, ":")
+            i = yield from self._scan_ws(i)
+            at = yield from self._scan_literal(i, ":")
             if not isinstance(at, int):
                 return at
-            i = _skip_ws(text, at)
+            i = yield from self._scan_ws(at)
             if key == "name" and name is None:
-                value = _json_string(text, i)
+                value = yield from self._scan_string(i, self.tool_names)
                 if isinstance(value, str):
                     return value
                 name, i = value
@@ -400,38 +486,46 @@ class ToolCallParser:
             elif key in self.fmt.args_keys and name is not None:
                 return _Opening(end=i, name=name)
             elif key == "type" and name is None:
-                end = _ValueScanner(i).end(text)
-                if end is None:
-                    return _PARTIAL
+                scanner = _ValueScanner(i)
+                while (end := scanner.end(self._text, self._stop)) is None:
+                    yield
                 i = end
             else:
                 return _FAIL
-            i = _skip_ws(text, i)
-            at = _literal(text, i, ",")
+            i = yield from self._scan_ws(i)
+            at = yield from self._scan_literal(i, ",")
             if not isinstance(at, int):
                 return at
             i = at
 
-    def _whole_block(self, body_start: int) -> _Opening | str:
+    def _scan_block(self, body_start: int) -> _Scan:
         """A hermes block whose object does not begin with name then arguments: a call if the
-        JSON between the markers is one, decided once the closing marker is there."""
-        close = self._text.find(self.fmt.close, body_start)
-        if close < 0:
-            return _PARTIAL
+        JSON between the markers is one, decided once the closing marker is there. A block that
+        is not a call (its name not a string, its JSON nested deeper than Python's parser goes)
+        is content."""
+        close_marker, j = self.fmt.close, body_start
+        while (close := self._text.find(close_marker, j, self._stop)) < 0:
+            j = max(j, self._stop - len(close_marker) + 1)
+            yield
         try:
             obj = json.loads(self._text[body_start:close])
-        except ValueError:
+        except (ValueError, RecursionError):
             return _FAIL
-        if not isinstance(obj, dict) or obj.get("name") not in self.tool_names:
+        name = obj.get("name") if isinstance(obj, dict) else None
+        if not isinstance(name, str) or name not in self.tool_names:
             return _FAIL
         args_key = next((key for key in self.fmt.args_keys if key in obj), None)
         if args_key is None:
             return _FAIL
         args = obj[args_key]
-        arguments = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-        return _Opening(end=close + len(self.fmt.close), name=obj["name"], arguments=arguments)
+        try:
+            arguments = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+        except RecursionError:
+            return _FAIL
+        return _Opening(end=close + len(close_marker), name=name, arguments=arguments)
 
     def _start_call(self, events: list[Event], opening: _Opening) -> None:
+        self._candidate = None
         if opening.name is None:  # llama's preamble: dropped, and whitespace after it too
             self._pos, self._after_call = opening.end, True
             return
@@ -462,7 +556,7 @@ class ToolCallParser:
             self._args_sent = upto
         self._pos = upto
         if end is not None:
-            self._mode = _TAIL
+            self._mode, self._tail_at = _TAIL, end
         elif final:  # cut off inside the arguments: the call keeps what was written
             self._pos = len(self._text)
 
@@ -470,13 +564,12 @@ class ToolCallParser:
         """After the arguments: the object's `}` (hermes: and `</tool_call>`, tolerating doubled
         or missing braces). Anything else goes back to being content; at the end of generation a
         tail cut short (say, a missing `</tool_call>`) still closes the call."""
-        text, i = self._text, self._pos
-        if self.fmt.close:
-            while i < len(text) and (text[i] in _WS or text[i] == "}"):
-                i += 1
-            at = _literal(text, i, self.fmt.close)
-        else:
-            at = _literal(text, _skip_ws(text, i), "}")
+        text, i = self._text, self._tail_at
+        skip = _WS + "}" if self.fmt.close else _WS
+        while i < len(text) and text[i] in skip:
+            i += 1
+        self._tail_at = i  # what was skipped is not read again on the next feed
+        at = _literal(text, i, self.fmt.close or "}")
         if at == _PARTIAL:
             if not final:
                 return

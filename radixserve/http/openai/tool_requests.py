@@ -23,7 +23,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from radixserve.front.types import InvalidRequest
+from radixserve.front.types import InvalidRequest, json_type
+from radixserve.front.validation.schemas import check_depth, check_json_schema
 from radixserve.http.openai.tool_call_parser import ToolCallFormat
 from radixserve.tokenizer import apply_chat_template
 
@@ -87,6 +88,9 @@ def parse_tool_request(body: Mapping[str, Any]) -> ToolRequest | None:
     if duplicate is not None:
         raise InvalidRequest(f"`tools` names the function {duplicate!r} twice", param="tools")
     kind, forced = _choice(choice, set(names))
+    for i, t in enumerate(tools):  # the schemas a constrained choice compiles must hold as written
+        if kind == "required" or (kind == "named" and t["function"]["name"] == forced):
+            check_json_schema(t["function"].get("parameters") or {}, f"`tools[{i}].function.parameters`", "tools")
     return ToolRequest(tools, kind, forced, True if parallel is None else parallel)
 
 
@@ -102,6 +106,8 @@ def _tool(tool: Any, i: int) -> dict[str, Any]:
         raise InvalidRequest(f"{where}.function.description must be a string", param="tools")
     if fn.get("parameters") is not None and not isinstance(fn["parameters"], Mapping):
         raise InvalidRequest(f"{where}.function.parameters must be a JSON schema object", param="tools")
+    if fn.get("parameters") is not None:
+        check_depth(fn["parameters"], f"{where}.function.parameters", "tools")
     if fn.get("strict") is not None and type(fn["strict"]) is not bool:
         raise InvalidRequest(f"{where}.function.strict must be a boolean", param="tools")
     clean = {k: fn[k] for k in ("name", "description", "parameters", "strict") if fn.get(k) is not None}
@@ -115,6 +121,11 @@ def _choice(choice: Any, names: set[str]) -> tuple[str, str | None]:
         return choice, None
     if isinstance(choice, Mapping) and choice.get("type") == "function" and isinstance(choice.get("function"), Mapping):
         name = choice["function"].get("name")
+        if not isinstance(name, str):
+            raise InvalidRequest(
+                f"`tool_choice.function.name` must be the name of a function in `tools` (a string), got {json_type(name)}",
+                param="tool_choice",
+            )
         if name not in names:
             raise InvalidRequest(f"`tool_choice` names the function {name!r}, which is not in `tools`", param="tool_choice")
         return "named", name
