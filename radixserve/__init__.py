@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from radixserve.version import __version__
+
 __all__ = ["Engine", "__version__"]
 
 

@@ -24,7 +24,6 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
-from radixserve.version import __version__
 from radixserve.config import (
     ATTENTION_BACKENDS,
     DTYPES,
@@ -33,6 +32,7 @@ from radixserve.config import (
     TOOL_CALL_PARSERS,
     ServerConfig,
 )
+from radixserve.version import __version__
 
 if typing.TYPE_CHECKING:
     from radixserve.protocol import WorkerInfo

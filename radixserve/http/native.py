@@ -14,7 +14,6 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from radixserve.version import __version__
 from radixserve.front.manager import TokenizerManager
 from radixserve.front.types import EngineDead, GenerateRequest, InvalidRequest
 from radixserve.front.validation.inputs import build_requests
@@ -33,6 +32,7 @@ from radixserve.http.metrics import CONTENT_TYPE
 from radixserve.http.state import ServerState
 from radixserve.http.tenants import SCOPE_KEY, scope_requests
 from radixserve.protocol import SamplingParams
+from radixserve.version import __version__
 
 PROBE_WHEN_IDLE_FOR_S = 5.0  # /health runs a one-token request when no step ran for this long
 
