@@ -57,7 +57,7 @@ HELP = {
     "disable_radix_cache": "keep the paging but cache no prefixes (the benchmark baseline)",
     "kv_disk_dir": "a disk tier under the prefix cache: pages evicted from the KV pool are written "
     "here and read back for a later request with the same prefix, also after a restart "
-    "(off by default; the directory is made private, 0700)",
+    "(off by default; a directory it creates is made 0700, an existing one must already be private)",
     "kv_disk_gb": "the disk tier's budget in GiB; least recently used pages are deleted beyond it",
     "max_pinned_fraction": "the share of the KV pool (and of the disk budget) that /cache/pin may "
     "hold, so pins never starve running requests",
