@@ -87,8 +87,9 @@ HELP = {
     "port": "TCP port to listen on",
     "api_key": "require 'Authorization: Bearer <key>' on every route but /health and the chat "
     f"page's files (or set ${API_KEY_ENV})",
-    "api_key_file": "a file of API keys, one per line as 'KEY' or 'KEY TENANT' (# comments): each "
-    "key's requests get their tenant's own prefix cache; replaces --api-key",
+    "api_key_file": "a file of API keys, one per line as 'KEY', 'KEY TENANT' or 'KEY TENANT admin' (# "
+    "comments): each key's requests get their tenant's own prefix cache, and /metrics and "
+    "/server_info show a key only its tenant's numbers (all of them to admin keys); replaces --api-key",
     "allowed_origins": "web origins (scheme://host[:port], comma-separated or repeated; * for any) whose "
     "pages may call the API from a browser (CORS); a request from any other foreign Origin gets 403. "
     "The server's own origin (the chat page) needs no entry",

@@ -63,7 +63,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 30000
     api_key: str | None = None
-    api_key_file: str | None = None  # one key per line, `key [tenant]`: a tenant per key (http/tenants.py)
+    api_key_file: str | None = None  # one key per line, `key [tenant [admin]]`: a tenant per key (http/tenants.py)
     # browsers (http/origins.py): foreign origins allowed to call the API (CORS), `*` for any;
     # Host names the server answers to besides its bound address (`*` for any)
     allowed_origins: tuple[str, ...] = ()
@@ -146,11 +146,14 @@ class ServerConfig:
             raise ValueError(f"unknown option(s) {unknown}; known: {sorted(names)}")
         return cls(**kwargs)  # type: ignore[arg-type]
 
-    def to_dict(self) -> dict[str, object]:
-        """The options, with the API key hidden (for /server_info and logs)."""
+    def to_dict(self, hide_paths: bool = False) -> dict[str, object]:
+        """The options, with the API key hidden (for /server_info and logs); with `hide_paths`,
+        the key file's and the disk tier's paths too (what a tenant's key sees)."""
         out = dataclasses.asdict(self)
-        if out["api_key"] is not None:
-            out["api_key"] = "***"
+        hidden = ("api_key", "api_key_file", "kv_disk_dir") if hide_paths else ("api_key",)
+        for name in hidden:
+            if out[name] is not None:
+                out[name] = "***"
         return out
 
 

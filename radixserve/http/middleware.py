@@ -15,7 +15,7 @@ from radixserve.http.common import HTTPError, JSONResponse
 from radixserve.http.metrics import ServerMetrics
 from radixserve.http.origins import CORS_HEADERS, CORS_MAX_AGE, CORS_METHODS, OriginPolicy
 from radixserve.http.state import ServerState
-from radixserve.http.tenants import SCOPE_KEY, Tenants
+from radixserve.http.tenants import ADMIN_SCOPE_KEY, SCOPE_KEY, KeyHolder, Tenants
 
 
 class APIKeyMiddleware:
@@ -25,7 +25,7 @@ class APIKeyMiddleware:
 
     `keys` holds the single --api-key, or the keys of --api-key-file; with `per_tenant` (the
     file) the key's tenant is left in the scope (`tenants.SCOPE_KEY`) for the routes to derive
-    the request's cache namespace."""
+    the request's cache namespace, and whether it is an admin key (`tenants.ADMIN_SCOPE_KEY`)."""
 
     def __init__(self, app: ASGIApp, keys: Tenants, per_tenant: bool, public: frozenset[str]) -> None:
         self.app = app
@@ -37,10 +37,11 @@ class APIKeyMiddleware:
         if scope["type"] != "http" or scope["path"] in self._public:
             await self.app(scope, receive, send)
             return
-        tenant = self._authorize(scope)
-        if tenant is not None:
+        holder = self._authorize(scope)
+        if holder is not None:
             if self._per_tenant:
-                scope[SCOPE_KEY] = tenant
+                scope[SCOPE_KEY] = holder.tenant
+                scope[ADMIN_SCOPE_KEY] = holder.admin
             await self.app(scope, receive, send)
             return
         error = HTTPError(401, "a valid API key is required: send `Authorization: Bearer <key>`", code="invalid_api_key")
@@ -48,12 +49,12 @@ class APIKeyMiddleware:
         response.headers["WWW-Authenticate"] = "Bearer"
         await response(scope, receive, send)
 
-    def _authorize(self, scope: Scope) -> str | None:
-        """The tenant of the request's key ("" for the single --api-key), or None: refused."""
+    def _authorize(self, scope: Scope) -> KeyHolder | None:
+        """Who holds the request's key (tenant "" for the single --api-key), or None: refused."""
         value = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
         scheme, _, token = value.partition(b" ")
-        tenant = self._keys.lookup(token.strip())
-        return tenant if scheme.lower() == b"bearer" else None
+        holder = self._keys.identify(token.strip())
+        return holder if scheme.lower() == b"bearer" else None
 
 
 class ResponseCountMiddleware:
