@@ -108,7 +108,10 @@ def test_a_server_on_a_shared_directory_fails_with_a_clear_message(tmp_path):
     shared.mkdir()
     os.chmod(shared, 0o1777)
     srv = Server(model, *TINY_OPTIONS, "--kv-disk-dir", str(shared), log_path=tmp_path / "log")
-    assert srv.proc.wait(120) != 0
-    srv.stop()
+    try:
+        code = srv.proc.wait(120)
+    finally:
+        srv.stop()  # a server that started anyway is stopped, not left behind
+    assert code != 0
     assert "is not private (mode 1777" in srv.log(), srv.log()
     assert stat.S_IMODE(shared.stat().st_mode) == 0o1777

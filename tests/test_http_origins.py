@@ -23,12 +23,22 @@ PLAIN = {"Content-Type": "text/plain"}
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("origins")
-    model = make_tiny_chat_model(folder / "model")
+def model(tmp_path_factory):
+    return make_tiny_chat_model(tmp_path_factory.mktemp("origins_model") / "model")
+
+
+@pytest.fixture(scope="module")
+def server(model, tmp_path_factory):
+    """The defaults: no API key, bound to 127.0.0.1, no allowed origins or hosts."""
+    with running_server(model, *TINY_OPTIONS, log_dir=tmp_path_factory.mktemp("origins")) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def cors_server(model, tmp_path_factory):
     options = (*TINY_OPTIONS, "--allowed-origins", f"{APP},https://other.example", "--allowed-origins", "http://third.example",
                "--allowed-hosts", "api.example")
-    with running_server(model, *options, log_dir=folder) as srv:
+    with running_server(model, *options, log_dir=tmp_path_factory.mktemp("origins_cors")) as srv:
         yield srv
 
 
@@ -79,10 +89,16 @@ def test_a_foreign_host_is_refused_and_the_servers_own_names_are_not(server):
         r = httpx.get(server.url + "/server_info", headers={"Host": host})
         _error(r, 421, "does not name this server")
         assert "options" not in r.text
-    for host in (f"127.0.0.1:{server.port}", f"localhost:{server.port}", f"LOCALHOST:{server.port}",
-                 "api.example", f"api.example:{server.port}"):
+    for host in (f"127.0.0.1:{server.port}", f"localhost:{server.port}", f"LOCALHOST:{server.port}", f"[::1]:{server.port}"):
         assert httpx.get(server.url + "/server_info", headers={"Host": host}).status_code == 200, host
     _error(httpx.get(server.url + "/health", headers={"Host": "evil.example"}), 421, "--allowed-hosts")
+    _error(httpx.get(server.url + "/health", headers={"Host": "api.example"}), 421, "does not name")
+
+
+def test_allowed_hosts_are_accepted(cors_server):
+    for host in ("api.example", f"api.example:{cors_server.port}", f"localhost:{cors_server.port}"):
+        assert httpx.get(cors_server.url + "/server_info", headers={"Host": host}).status_code == 200, host
+    _error(httpx.get(cors_server.url + "/server_info", headers={"Host": "evil.example"}), 421, "does not name")
 
 
 def test_clients_without_origin_and_the_servers_own_pages_are_unaffected(server):
@@ -96,7 +112,8 @@ def test_clients_without_origin_and_the_servers_own_pages_are_unaffected(server)
     _error(_post(server, "/generate", GEN, Origin=f"http://localhost:{server.port + 1}"), 403, "not allowed")
 
 
-def test_allowed_origins_get_cors(server):
+def test_allowed_origins_get_cors(cors_server):
+    server = cors_server
     pre = httpx.options(server.url + "/v1/chat/completions", headers={
         "Origin": APP, "Access-Control-Request-Method": "POST",
         "Access-Control-Request-Headers": "authorization, content-type",
