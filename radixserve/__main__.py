@@ -60,7 +60,7 @@ HELP = {
     "disable_radix_cache": "keep the paging but cache no prefixes (the benchmark baseline)",
     "kv_disk_dir": "a disk tier under the prefix cache: pages evicted from the KV pool are written "
     "here and read back for a later request with the same prefix, also after a restart "
-    "(off by default; the directory is made private, 0700)",
+    "(off by default; a directory it creates is made 0700, an existing one must already be private)",
     "kv_disk_gb": "the disk tier's budget in GiB; least recently used pages are deleted beyond it",
     "max_pinned_fraction": "the share of the KV pool (and of the disk budget) that /cache/pin may "
     "hold, so pins never starve running requests",
@@ -90,8 +90,15 @@ HELP = {
     "port": "TCP port to listen on",
     "api_key": "require 'Authorization: Bearer <key>' on every route but /health and the chat "
     f"page's files (or set ${API_KEY_ENV})",
-    "api_key_file": "a file of API keys, one per line as 'KEY' or 'KEY TENANT' (# comments): each "
-    "key's requests get their tenant's own prefix cache; replaces --api-key",
+    "api_key_file": "a file of API keys, one per line as 'KEY', 'KEY TENANT' or 'KEY TENANT admin' (# "
+    "comments): each key's requests get their tenant's own prefix cache, and /metrics and "
+    "/server_info show a key only its tenant's numbers (all of them to admin keys); replaces --api-key",
+    "allowed_origins": "web origins (scheme://host[:port], comma-separated or repeated; * for any) whose "
+    "pages may call the API from a browser (CORS); a request from any other foreign Origin gets 403. "
+    "The server's own origin (the chat page) needs no entry",
+    "allowed_hosts": "names (or name:port; * for any) the Host header may give besides the bound "
+    "--host and port (and localhost, 127.0.0.1, [::1] when bound to loopback); any other Host gets 421, "
+    "which stops DNS-rebinding pages. Bound to 0.0.0.0 or :: without this option, any Host is accepted",
     "served_model_name": "the model id in the OpenAI API (/v1/models, the 'model' field); default: --model",
     "disable_web_ui": "serve no chat page at GET / (it is on by default: a page that talks to "
     "/v1/chat/completions and shows each reply's cached tokens)",
@@ -146,6 +153,10 @@ def _add_option(parser: argparse.ArgumentParser, f: dataclasses.Field, hint: Any
     if hint is bool:
         action = "store_true" if f.default is False else argparse.BooleanOptionalAction
         parser.add_argument(flag, action=action, default=f.default, help=HELP[f.name])
+        return
+    if typing.get_origin(hint) is tuple:  # a list: repeated or comma-separated, split by ServerConfig
+        parser.add_argument(flag, action="append", type=str, default=None, metavar=f.name.upper().removesuffix("S"),
+                            help=HELP[f.name])
         return
     if typing.get_origin(hint) in (typing.Union, types.UnionType):  # `int | None`: the non-None type
         hint = next(t for t in typing.get_args(hint) if t is not type(None))

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from radixserve import placement
 
@@ -61,7 +63,11 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 30000
     api_key: str | None = None
-    api_key_file: str | None = None  # one key per line, `key [tenant]`: a tenant per key (http/tenants.py)
+    api_key_file: str | None = None  # one key per line, `key [tenant [admin]]`: a tenant per key (http/tenants.py)
+    # browsers (http/origins.py): foreign origins allowed to call the API (CORS), `*` for any;
+    # Host names the server answers to besides its bound address (`*` for any)
+    allowed_origins: tuple[str, ...] = ()
+    allowed_hosts: tuple[str, ...] = ()
     served_model_name: str | None = None  # the model id of the OpenAI API; None: `model`
     disable_web_ui: bool = False  # GET / serves no chat page (http/web_ui.py): a 404 as on any unknown route
     max_body_bytes: int = 32 * 1024 * 1024  # largest request body accepted (413 above)
@@ -119,6 +125,8 @@ class ServerConfig:
         if self.api_key is not None and self.api_key_file is not None:
             # the single key would be a tenant whose salt names raw namespaces, other tenants' included
             raise ValueError("give either api_key or api_key_file, not both (put the key in the file)")
+        object.__setattr__(self, "allowed_origins", _name_list("allowed_origins", self.allowed_origins, normalize_origin))
+        object.__setattr__(self, "allowed_hosts", _name_list("allowed_hosts", self.allowed_hosts, normalize_host))
         if self.num_threads is not None:
             _at_least("num_threads", self.num_threads, 1)
         if self.cpu_affinity is not None:
@@ -138,12 +146,32 @@ class ServerConfig:
             raise ValueError(f"unknown option(s) {unknown}; known: {sorted(names)}")
         return cls(**kwargs)  # type: ignore[arg-type]
 
-    def to_dict(self) -> dict[str, object]:
-        """The options, with the API key hidden (for /server_info and logs)."""
+    def to_dict(self, hide_paths: bool = False) -> dict[str, object]:
+        """The options, with the API key hidden (for /server_info and logs); with `hide_paths`,
+        the key file's and the disk tier's paths too (what a tenant's key sees)."""
         out = dataclasses.asdict(self)
-        if out["api_key"] is not None:
-            out["api_key"] = "***"
+        hidden = ("api_key", "api_key_file", "kv_disk_dir") if hide_paths else ("api_key",)
+        for name in hidden:
+            if out[name] is not None:
+                out[name] = "***"
         return out
+
+
+def _name_list(name: str, value: object, normalize: Callable[[str], str]) -> tuple[str, ...]:
+    """A list option given as a comma-separated string, or a sequence of them (the CLI's
+    repeated flag): every entry normalized (ValueError naming the option), duplicates dropped."""
+    items = [value] if isinstance(value, str) else list(value or ())  # type: ignore[call-overload]
+    out: list[str] = []
+    for item in items:
+        if not isinstance(item, str):
+            raise ValueError(f"{name} must be strings, got {item!r}")
+        for part in item.split(","):
+            if part.strip():
+                try:
+                    out.append(normalize(part))
+                except ValueError as exc:
+                    raise ValueError(f"{name}: {exc}") from None
+    return tuple(dict.fromkeys(out))
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -161,3 +189,66 @@ def _check_device(value: str) -> None:
 def _at_least(name: str, value: int, low: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+# ---------------------------------------------------------------------- --allowed-origins, --allowed-hosts
+# (the rules they feed are http/origins.py's)
+
+
+def normalize_origin(value: str) -> str:
+    """`scheme://host[:port]` in lower case (default ports dropped), or `*`; ValueError else."""
+    value = value.strip()
+    if value == "*":
+        return value
+    parts = urlsplit(value.lower())
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path.strip("/") or parts.query \
+            or parts.fragment or parts.username or parts.password:
+        raise ValueError(f"an allowed origin must be `*` or scheme://host[:port] (http or https), got {value!r}")
+    return f"{parts.scheme}://{_authority(parts.hostname, _port(parts), parts.scheme)}"
+
+
+def normalize_host(value: str) -> str:
+    """`name`, `name:port` or `[v6]:port` in lower case, or `*`; ValueError else."""
+    value = value.strip().lower()
+    if value == "*":
+        return value
+    name, port = split_host(value)
+    if not name or "/" in value or "@" in value or (port is not None and not 0 < port < 65536):
+        raise ValueError(f"an allowed host must be `*`, a name or name:port, got {value!r}")
+    return value
+
+
+def split_host(value: str) -> tuple[str, int | None]:
+    """A `Host` header's name (IPv6 in brackets) and port; the port is None when absent and -1
+    when unreadable (which matches nothing)."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        end = value.find("]")
+        if end < 0:
+            return "", -1
+        name, rest = value[: end + 1], value[end + 1 :]
+        if not rest:
+            return name, None
+        if not rest.startswith(":"):
+            return "", -1
+        port = rest[1:]
+    elif value.count(":") == 1:
+        name, port = value.split(":")
+    elif ":" in value:  # a bare IPv6 address is not a valid Host
+        return "", -1
+    else:
+        return value, None
+    return name, int(port) if port.isdigit() and len(port) <= 5 else -1
+
+
+def _authority(name: str, port: int | None, scheme: str) -> str:
+    name = f"[{name}]" if ":" in name and not name.startswith("[") else name
+    default = {"http": 80, "https": 443}[scheme]
+    return name if port is None or port == default else f"{name}:{port}"
+
+
+def _port(parts) -> int | None:
+    try:
+        return parts.port
+    except ValueError:
+        raise ValueError(f"a bad port in {parts.geturl()!r}") from None

@@ -10,8 +10,8 @@ Routes are thin: parse, call the engine client (`radixserve.front`), shape the a
                            (also /get_server_info, SGLang's older name)
     GET  /model_info       SGLang's model card: model_path, tokenizer_path, is_generation
                            (also /get_model_info)
-    POST /flush_cache      drop every unlocked cached prefix (GET too, as SGLang allows;
-                           /reset_prefix_cache is vLLM's name for it)
+    POST /flush_cache      drop every unlocked cached prefix (POST only: a GET is what any web page
+                           can make a browser send; /reset_prefix_cache is vLLM's name for it)
     POST /abort_request    abort a request by its caller's `rid` (or every one with `abort_all`)
     POST /cache/pin, /cache/unpin, GET /cache/pins   keep prefixes cached on purpose (http/cache_api.py)
     POST /generate         SGLang's native API (text or input_ids, one or a batch; SSE streaming)
@@ -37,8 +37,14 @@ from radixserve.front.manager import TokenizerManager
 from radixserve.front.recovery import BackendEvents
 from radixserve.http import cache_api, native, web_ui
 from radixserve.http.common import HTTPError
-from radixserve.http.middleware import APIKeyMiddleware, DrainMiddleware, ResponseCountMiddleware
+from radixserve.http.middleware import (
+    APIKeyMiddleware,
+    DrainMiddleware,
+    OriginMiddleware,
+    ResponseCountMiddleware,
+)
 from radixserve.http.openai import routes as openai_api
+from radixserve.http.origins import OriginPolicy
 from radixserve.http.state import ServerState
 from radixserve.http.tenants import Tenants, load_api_key_file
 from radixserve.launch import Backend
@@ -47,7 +53,8 @@ from radixserve.protocol import WorkerInfo
 
 def create_app(config: ServerConfig, backend: Backend, ready: WorkerInfo, tokenizer: Any) -> Starlette:
     """The ASGI app over a started backend. The API key (or the keys of --api-key-file), if any,
-    guards every route but /health and the chat page's files (which hold no secret)."""
+    guards every route but /health and the chat page's files (which hold no secret); the Host
+    and Origin rules (http/origins.py) guard every route, those included."""
     state = ServerState(config=config, backend=backend, ready=ready, tokenizer=tokenizer)
     routes = [
         Route("/health", native.health, methods=["GET"]),
@@ -57,7 +64,7 @@ def create_app(config: ServerConfig, backend: Backend, ready: WorkerInfo, tokeni
         Route("/get_server_info", native.server_info, methods=["GET"]),
         Route("/model_info", native.model_info, methods=["GET"]),
         Route("/get_model_info", native.model_info, methods=["GET"]),
-        Route("/flush_cache", native.flush_cache, methods=["GET", "POST"]),
+        Route("/flush_cache", native.flush_cache, methods=["POST"]),
         Route("/reset_prefix_cache", native.flush_cache, methods=["POST"]),
         Route("/abort_request", native.abort_request, methods=["POST"]),
         Route("/generate", native.generate, methods=["POST"]),
@@ -84,6 +91,8 @@ def create_app(config: ServerConfig, backend: Backend, ready: WorkerInfo, tokeni
         state.tenants_on = True
     elif config.api_key is not None:
         app.add_middleware(APIKeyMiddleware, keys=Tenants.single(config.api_key), per_tenant=False, public=public)
+    policy = OriginPolicy(config.host, config.port, config.allowed_origins, config.allowed_hosts)
+    app.add_middleware(OriginMiddleware, policy=policy)  # before the key: a CORS preflight carries none
     app.add_middleware(DrainMiddleware, state=state)  # refuses before anything else runs
     app.add_middleware(ResponseCountMiddleware, routes=routes, metrics=state.metrics)  # outermost: sees every answer
     return app

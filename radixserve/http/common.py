@@ -113,7 +113,8 @@ def handles_errors(
 
 
 async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
-    """The request body as a JSON object; 413 past `max_bytes` (checked while reading).
+    """The request body as a JSON object; 413 past `max_bytes` (checked while reading), 415
+    unless it is declared `application/json`.
     A client that hangs up mid-body is `ClientGone`; one too slow to send it is cut off by the
     connection's body deadline (`connection.py`), which reads here as a hang-up too."""
     declared = request.headers.get("content-length")
@@ -129,6 +130,7 @@ async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
     except ClientDisconnect:
         raise ClientGone() from None
     raw = b"".join(chunks)
+    _check_json_content_type(request)  # after the size limit: a body too big is a 413 whatever its type
     if not raw.strip():
         raise HTTPError(400, "the request body is empty; send a JSON object")
     try:
@@ -140,6 +142,18 @@ async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise HTTPError(400, f"the request body must be a JSON object, got {json_type(body)}")
     return body
+
+
+def _check_json_content_type(request: Request) -> None:
+    """415 unless the body is declared `application/json` (parameters such as `; charset=utf-8`
+    allowed). A web page can send `text/plain` or a form to any site without a CORS preflight;
+    it cannot send `application/json` cross-origin without one, so a JSON route that insists on
+    it is out of reach of a foreign page even before the Origin check (`http/origins.py`)."""
+    declared = request.headers.get("content-type", "")
+    if declared.split(";", 1)[0].strip().lower() != "application/json":
+        shown = repr(declared[:100]) if declared else "none"
+        raise HTTPError(415, f"the request body must be sent as `Content-Type: application/json` (got {shown})",
+                        code="unsupported_media_type")
 
 
 def _decode(raw: bytes) -> Any:

@@ -134,6 +134,21 @@ class _ModelNameLabel(Collector):
             yield metric
 
 
+class _OneTenant:
+    """The `radixserve_tenant_*` series of one tenant, out of everything `inner` collects."""
+
+    def __init__(self, inner: CollectorRegistry, tenant: str) -> None:
+        self._inner = inner
+        self._tenant = tenant
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self._inner.collect():
+            if not metric.name.startswith(PREFIX + "tenant_"):
+                continue
+            metric.samples = [s for s in metric.samples if s.labels.get("tenant") == self._tenant]
+            yield metric
+
+
 class ServerMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry(auto_describe=True)  # every metric, without model_name
@@ -203,6 +218,12 @@ class ServerMetrics:
             self.ttft.observe(meta["ttft"])
             if tokens >= 2:
                 self.tpot.observe(max(0.0, e2e - meta["ttft"]) / (tokens - 1))
+
+    def render_tenant(self, tenant: str) -> bytes:
+        """What a tenant's key sees (--api-key-file, not an admin key): its own tenant's series
+        only. Every other number (queues, pages, pins, token counters, latencies, HTTP answers)
+        moves with other tenants' traffic."""
+        return generate_latest(_OneTenant(self._exposed, tenant))  # type: ignore[arg-type]
 
     def render(self, stats: SchedulerStats | None, restarts: int = 0, recovered: int = 0) -> bytes:
         """The Prometheus text exposition, with `stats` as the scheduler's current numbers (None

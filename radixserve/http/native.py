@@ -30,7 +30,7 @@ from radixserve.http.common import (
 )
 from radixserve.http.metrics import CONTENT_TYPE
 from radixserve.http.state import ServerState
-from radixserve.http.tenants import SCOPE_KEY, scope_requests
+from radixserve.http.tenants import SCOPE_KEY, scope_requests, sees_everything
 from radixserve.protocol import SamplingParams
 from radixserve.version import __version__
 
@@ -122,7 +122,10 @@ async def _run_probe(state: ServerState, manager: TokenizerManager, timeout: flo
 
 @handles_errors
 async def metrics(request: Request) -> Response:
+    """Prometheus text: everything, or with a tenant's key only that tenant's series."""
     state = _state(request)
+    if not sees_everything(request.scope):
+        return Response(state.metrics.render_tenant(request.scope[SCOPE_KEY]), media_type=CONTENT_TYPE)
     try:
         stats = await state.get_manager().stats()
     except (asyncio.TimeoutError, EngineDead):
@@ -133,7 +136,15 @@ async def metrics(request: Request) -> Response:
 
 @handles_errors
 async def server_info(request: Request) -> Response:
+    """The server's options, model, placement, pages, queue and pids; with a tenant's key only
+    the version, the model and the options without file paths (the rest moves with, or tells
+    about, what other tenants do)."""
     state = _state(request)
+    if not sees_everything(request.scope):
+        return JSONResponse({
+            "version": __version__, "model": _model_description(state),
+            "options": state.config.to_dict(hide_paths=True), "tenant": request.scope[SCOPE_KEY],
+        })
     manager = state.get_manager()
     try:
         stats = await manager.stats()
@@ -148,11 +159,7 @@ async def server_info(request: Request) -> Response:
         }
     return JSONResponse({
         "version": __version__,
-        "model": {
-            "name": state.model_name, "path": ready.model_path, "dtype": ready.dtype,
-            "device": ready.device, "context_len": ready.context_len, "vocab_size": ready.vocab_size,
-            "page_size": ready.page_size,
-        },
+        "model": _model_description(state),
         "cpu_isa": ready.cpu_isa,
         "placement": state.backend.placement.to_dict(),
         "options": state.config.to_dict(),
@@ -162,6 +169,14 @@ async def server_info(request: Request) -> Response:
         "engine": {"restarts": manager.restarts, "requests_recovered": manager.recovered,
                    "restarting": manager.restarting_reason},
     })
+
+
+def _model_description(state: ServerState) -> dict[str, Any]:
+    ready = state.ready
+    return {
+        "name": state.model_name, "path": ready.model_path, "dtype": ready.dtype, "device": ready.device,
+        "context_len": ready.context_len, "vocab_size": ready.vocab_size, "page_size": ready.page_size,
+    }
 
 
 @handles_errors

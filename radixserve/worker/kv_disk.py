@@ -20,7 +20,11 @@ is deleted with a warning when found, never loaded:
     payload: [num_layers, 2 (K, V), page_size, num_kv_heads, head_dim] in the pool's dtype
 
 A lock file keeps a second server off the same directory (its budget and deletes would fight
-this one's).
+this one's). The directory holds tenants' KV, so it must be private: one this server creates is
+made 0700; an existing one must belong to this user and give nobody else any access (else the
+start fails, saying so: the server never changes the mode of a directory it did not create, such
+as a shared 1777 /tmp). Anything in it that is not a regular file (a directory, a FIFO, a
+symlink, a socket named like a page) is never opened: it is skipped with a warning.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import hashlib
 import logging
 import os
 import queue
+import stat as stat_module
 import struct
 import threading
 import time
@@ -92,11 +97,11 @@ class DiskStore:
     def __init__(self, root: str | Path, pool: KVPool, key: bytes) -> None:
         self.pool = pool
         self.key = key
-        self.dir = Path(root).expanduser() / key.hex()[:32]
-        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(Path(root).expanduser(), 0o700)  # tenants' KV: nobody else reads it
-        os.chmod(self.dir, 0o700)
-        self._lock_file = self._take_lock(Path(root).expanduser())
+        root = Path(root).expanduser()
+        _make_private_dir(root)
+        self.dir = root / key.hex()[:32]
+        _make_private_dir(self.dir)
+        self._lock_file = self._take_lock(root)
         itemsize = torch.empty((), dtype=pool.dtype).element_size()
         self._page_shape = (pool.num_layers, 2, pool.page_size, pool.num_kv_heads, pool.head_dim)
         self.payload_bytes = itemsize * pool.num_layers * 2 * pool.page_size * pool.num_kv_heads * pool.head_dim
@@ -133,17 +138,25 @@ class DiskStore:
         short) and files whose size or header is wrong are deleted with a warning."""
         found: list[tuple[float, bytes]] = []
         for path in self.dir.iterdir():
+            if not path.name.endswith((_TEMP_SUFFIX, _SUFFIX)):
+                continue
+            try:
+                regular = stat_module.S_ISREG(path.lstat().st_mode)
+            except FileNotFoundError:
+                continue
+            if not regular:
+                log.warning("kv disk: skipping %s: not a regular file (left as it is, never read)", path.name)
+                continue
             if path.name.endswith(_TEMP_SUFFIX):
                 path.unlink(missing_ok=True)
                 continue
-            if not path.name.endswith(_SUFFIX):
-                continue
             try:
                 page_key = bytes.fromhex(path.name[: -len(_SUFFIX)])
-                stat = path.stat()
-                with path.open("rb") as f:
-                    header = f.read(_HEADER.size)
+                header, stat = _read_regular(path, _HEADER.size)
                 self._check_header(header, page_key, stat.st_size)
+            except NotRegularFile as exc:  # replaced since the lstat above
+                log.warning("kv disk: skipping %s: %s", path.name, exc)
+                continue
             except (ValueError, OSError) as exc:
                 log.warning("kv disk: dropping %s: %s", path.name, exc)
                 self.counters.corrupt += 1
@@ -286,7 +299,7 @@ class DiskStore:
     def _read(self, page_key: bytes) -> torch.Tensor | None:
         path = self._path(page_key)
         try:
-            raw = path.read_bytes()
+            raw, _ = _read_regular(path)
             crc = self._check_header(raw[: _HEADER.size], page_key, len(raw))
             payload = memoryview(raw)[_HEADER.size :]
             if zlib.crc32(payload) != crc:
@@ -295,12 +308,50 @@ class DiskStore:
         except FileNotFoundError:
             log.warning("kv disk: page file %s is gone; it is computed again", path.name)
             return None
+        except NotRegularFile as exc:
+            log.warning("kv disk: skipping %s: %s; it is computed again", path.name, exc)
+            return None
         except (ValueError, OSError) as exc:
             log.warning("kv disk: dropping %s: %s; it is computed again", path.name, exc)
             self.counters.corrupt += 1
             path.unlink(missing_ok=True)
             return None
         return _from_bytes(payload, self.pool.dtype, self._page_shape)
+
+
+def _make_private_dir(path: Path) -> None:
+    """Create `path` 0700, or check that the existing one is this user's and private."""
+    try:
+        path.mkdir(mode=0o700, parents=True)
+        os.chmod(path, 0o700)  # whatever the umask
+        return
+    except FileExistsError:
+        pass
+    info = path.stat()
+    if not stat_module.S_ISDIR(info.st_mode):
+        raise RuntimeError(f"--kv-disk-dir: {path} exists and is not a directory")
+    if info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise RuntimeError(
+            f"--kv-disk-dir: {path} is not private (mode {stat_module.S_IMODE(info.st_mode):04o}, owner uid "
+            f"{info.st_uid}): it would hold tenants' KV where others can reach it. Give a directory of "
+            "your own with mode 0700 (chmod 700 it), or a path that does not exist yet (created 0700)"
+        )
+
+
+class NotRegularFile(OSError):
+    """A page's name on something other than a regular file: never read, never deleted."""
+
+
+def _read_regular(path: Path, limit: int = -1) -> tuple[bytes, os.stat_result]:
+    """Up to `limit` bytes (all: -1) of a regular file, and its stat; OSError for anything else.
+    Opened without blocking and without following a symlink, so a FIFO or a device named like
+    a page can neither hang nor redirect the read."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(fd)
+        if not stat_module.S_ISREG(info.st_mode):
+            raise NotRegularFile("not a regular file (left as it is, never read)")
+        return f.read(limit), info
 
 
 def _as_bytes(tensor: torch.Tensor) -> bytes:

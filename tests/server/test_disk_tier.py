@@ -17,8 +17,9 @@ from runtime_helpers import hf_greedy
 import frontend_lang as fl
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
-KEYS = "key-alpha alpha\nkey-beta beta\n"
+KEYS = "key-alpha alpha\nkey-beta beta\nkey-ops ops admin\n"
 ALPHA = {"Authorization": "Bearer key-alpha"}
+OPS = {"Authorization": "Bearer key-ops"}  # an admin key: the global metrics and pages
 BETA = {"Authorization": "Bearer key-beta"}
 DISK_HITS = 'radixserve_cached_prompt_tokens_total{tier="disk"}'
 MEMORY_HITS = 'radixserve_cached_prompt_tokens_total{tier="memory"}'
@@ -73,13 +74,13 @@ def _balanced(srv: Server, headers: dict[str, str], pinned_pages: int = 0) -> No
 def test_outputs_are_the_same_computed_from_memory_and_from_disk(server, tiny_dir):
     prompt = doc(1) + [7, 8, 9]
     aligned = (len(prompt) - 1) // 16 * 16
-    before = _metrics(server, ALPHA)
+    before = _metrics(server, OPS)
     computed = _generate(server, prompt, ALPHA)
     memory = _generate(server, prompt, ALPHA)
     assert computed["meta_info"]["cached_tokens"] == 0 and memory["meta_info"]["cached_tokens"] == aligned
     _flood(server, ALPHA, range(100, 104))  # 1,200 tokens through a 768-token pool
     disk = _generate(server, prompt, ALPHA)
-    after = _metrics(server, ALPHA)
+    after = _metrics(server, OPS)
     assert disk["meta_info"]["cached_tokens"] == aligned
     assert after[DISK_HITS] - before[DISK_HITS] == aligned
     assert computed["output_ids"] == memory["output_ids"] == disk["output_ids"]
@@ -87,7 +88,7 @@ def test_outputs_are_the_same_computed_from_memory_and_from_disk(server, tiny_di
     assert after["radixserve_kv_disk_pages"] > 0
     assert after["radixserve_kv_disk_stored_bytes_total"] > 0 and after["radixserve_kv_disk_loaded_bytes_total"] > 0
     assert after["radixserve_kv_disk_bytes"] <= after["radixserve_kv_disk_capacity_bytes"]
-    _balanced(server, ALPHA)
+    _balanced(server, OPS)
 
 
 def test_tenants_and_salts_never_read_each_others_disk_pages(server):
@@ -95,13 +96,13 @@ def test_tenants_and_salts_never_read_each_others_disk_pages(server):
     _generate(server, prompt, ALPHA)
     _generate(server, prompt, ALPHA, cache_salt="s1")
     _flood(server, BETA, range(200, 204))  # both copies of the document go to disk
-    before = _metrics(server, ALPHA)
+    before = _metrics(server, OPS)
     assert _generate(server, prompt, BETA)["meta_info"]["cached_tokens"] == 0  # another tenant
     assert _generate(server, prompt, ALPHA, cache_salt="s2")["meta_info"]["cached_tokens"] == 0  # another salt
-    assert _metrics(server, ALPHA)[DISK_HITS] == before[DISK_HITS]
+    assert _metrics(server, OPS)[DISK_HITS] == before[DISK_HITS]
     assert _generate(server, prompt, ALPHA, cache_salt="s1")["meta_info"]["cached_tokens"] == 192
-    assert _metrics(server, ALPHA)[DISK_HITS] - before[DISK_HITS] == 192
-    _balanced(server, ALPHA)
+    assert _metrics(server, OPS)[DISK_HITS] - before[DISK_HITS] == 192
+    _balanced(server, OPS)
 
 
 def test_a_pinned_document_survives_a_flood_that_evicts_everything_else(server):
@@ -113,16 +114,16 @@ def test_a_pinned_document_survives_a_flood_that_evicts_everything_else(server):
     other = doc(4) + [1]
     _generate(server, other, ALPHA)
     _flood(server, BETA, range(300, 306))
-    before = _metrics(server, ALPHA)
+    before = _metrics(server, OPS)
     assert before['radixserve_pinned_tokens{tier="memory"}'] == 160
     hit = _generate(server, document + [42, 43], ALPHA)
-    after = _metrics(server, ALPHA)
+    after = _metrics(server, OPS)
     assert hit["meta_info"]["cached_tokens"] == 160
     assert after[MEMORY_HITS] - before[MEMORY_HITS] == 160 and after[DISK_HITS] == before[DISK_HITS]
     # what was not pinned went to disk and comes back from there
     assert _generate(server, other, ALPHA)["meta_info"]["cached_tokens"] == 192
-    assert _metrics(server, ALPHA)[DISK_HITS] - after[DISK_HITS] == 192
-    _balanced(server, ALPHA, pinned_pages=10)
+    assert _metrics(server, OPS)[DISK_HITS] - after[DISK_HITS] == 192
+    _balanced(server, OPS, pinned_pages=10)
     # another tenant neither sees nor ends it
     assert httpx.get(server.url + "/cache/pins", headers=BETA).json() == {"pins": []}
     r = httpx.post(server.url + "/cache/unpin", json={"pin_id": pin["pin_id"]}, headers=BETA)
@@ -130,7 +131,7 @@ def test_a_pinned_document_survives_a_flood_that_evicts_everything_else(server):
     assert [p["pin_id"] for p in httpx.get(server.url + "/cache/pins", headers=ALPHA).json()["pins"]] == [pin["pin_id"]]
     r = httpx.post(server.url + "/cache/unpin", json={"input_ids": document}, headers=ALPHA)
     assert r.status_code == 200 and [p["pin_id"] for p in r.json()["unpinned"]] == [pin["pin_id"]]
-    _balanced(server, ALPHA)
+    _balanced(server, OPS)
 
 
 def test_a_disk_pin_is_written_and_loaded_back_after_the_pool_forgets_it(server):
@@ -140,11 +141,11 @@ def test_a_disk_pin_is_written_and_loaded_back_after_the_pool_forgets_it(server)
     assert r.status_code == 200, r.text
     assert r.json()["tier"] == "disk" and r.json()["cache_salt"] == "x"
     _flood(server, ALPHA, range(400, 404))
-    before = _metrics(server, ALPHA)
+    before = _metrics(server, OPS)
     assert before['radixserve_pinned_tokens{tier="disk"}'] == 96
     hit = _generate(server, document + [3], ALPHA, cache_salt="x")
     assert hit["meta_info"]["cached_tokens"] == 96
-    assert _metrics(server, ALPHA)[DISK_HITS] - before[DISK_HITS] == 96
+    assert _metrics(server, OPS)[DISK_HITS] - before[DISK_HITS] == 96
     httpx.post(server.url + "/cache/unpin", json={"pin_id": r.json()["pin_id"]}, headers=ALPHA).raise_for_status()
 
 
@@ -155,7 +156,7 @@ def test_a_pin_with_a_ttl_ends_by_itself(server):
     while httpx.get(server.url + "/cache/pins", headers=ALPHA).json()["pins"]:
         assert time.monotonic() < deadline, "the pin did not expire"
         time.sleep(0.2)
-    _balanced(server, ALPHA)
+    _balanced(server, OPS)
 
 
 @pytest.mark.parametrize(("body", "status", "says"), [

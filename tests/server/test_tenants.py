@@ -21,13 +21,15 @@ KEY_A = "sk-alpha-0123456789abcdef"
 KEY_A2 = "sk-alpha-rotated-fedcba9876"  # a second key of tenant-a
 KEY_B = "sk-bravo-0123456789abcdef"
 KEY_C = "sk-charlie-unnamed-42"  # no name in the file: gets derived_name(KEY_C)
-ALL_KEYS = (KEY_A, KEY_A2, KEY_B, KEY_C)
+KEY_OPS = "sk-ops-admin-0123456789"  # an admin key: sees every tenant's numbers
+ALL_KEYS = (KEY_A, KEY_A2, KEY_B, KEY_C, KEY_OPS)
 KEY_FILE = f"""# tenants of the test server
 {KEY_A} tenant-a
 
 {KEY_A2}   tenant-a
   {KEY_B}\ttenant-b
 {KEY_C}
+{KEY_OPS} ops admin
 """
 PROMPT_TOKENS = 1600  # long enough that a cached prefill is clearly faster on the tiny model
 TRIALS = 40
@@ -72,7 +74,7 @@ def test_every_key_of_the_file_is_let_in_and_no_other(server):
     for headers in ({}, _auth("sk-wrong"), _auth(KEY_A + "x"), _auth(KEY_A[:-1]), {"Authorization": KEY_A}):
         r = httpx.post(server.url + "/generate", json={"text": "hi"}, headers=headers)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", headers
-    info = server.info(**_auth(KEY_B))
+    info = server.info(**_auth(KEY_OPS))
     assert info["options"]["api_key_file"].endswith("keys.txt") and info["options"]["api_key"] is None
     assert not any(k in str(info) for k in ALL_KEYS)
 
@@ -122,12 +124,12 @@ def test_no_salt_reaches_another_tenants_namespace(server):
 
 def test_per_tenant_metrics_carry_only_the_files_names(server):
     def counters() -> dict[str, float]:
-        text = httpx.get(server.url + "/metrics", headers=_auth(KEY_C)).text
+        text = httpx.get(server.url + "/metrics", headers=_auth(KEY_OPS)).text
         assert not any(k in text for k in ALL_KEYS)
         return {k: v for k, v in metric_samples(text).items() if k.startswith("radixserve_tenant_") and "_total{" in k}
 
     before = counters()
-    tenants = {"tenant-a", "tenant-b", derived_name(KEY_C)}
+    tenants = {"tenant-a", "tenant-b", derived_name(KEY_C), "ops"}
     for metric in ("requests_finished", "prompt_tokens", "cached_prompt_tokens"):
         assert {n for n in before if n.startswith(f"radixserve_tenant_{metric}_total{{")} == {
             f'radixserve_tenant_{metric}_total{{tenant="{t}"}}' for t in tenants
@@ -256,12 +258,12 @@ def test_a_tenants_rids_are_its_own(server):
     a = threading.Thread(target=run, args=("a", KEY_A))
     a.start()
     deadline = time.monotonic() + 30
-    while server.info(**_auth(KEY_A))["requests"]["running"] < 1:
+    while server.info(**_auth(KEY_OPS))["requests"]["running"] < 1:
         assert time.monotonic() < deadline, "A's request did not start"
         time.sleep(0.05)
     b = threading.Thread(target=run, args=("b", KEY_B))
     b.start()  # the same rid, another tenant: not a 409
-    while server.info(**_auth(KEY_A))["requests"]["running"] < 2:
+    while server.info(**_auth(KEY_OPS))["requests"]["running"] < 2:
         assert time.monotonic() < deadline and "b" not in results, results.get("b")
         time.sleep(0.05)
     for body in ({"rid": "shared-rid"}, {"abort_all": True}):
