@@ -9,7 +9,7 @@ import pytest
 from radixserve.protocol import FinishReason, SamplingParams, TokenizedRequest
 from radixserve.scheduler.core import Scheduler
 from radixserve.scheduler.request import IllegalTransition, PromptLogprobs, Request, RequestPhase
-from tests.test_scheduler import FakeWorker, make
+from tests.unit.test_scheduler import FakeWorker, make
 
 P = RequestPhase
 
