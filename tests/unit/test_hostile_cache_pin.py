@@ -15,7 +15,7 @@ from starlette.testclient import TestClient
 from radixserve.front.validation.limits import Limits
 from radixserve.http import cache_api
 from radixserve.http.state import ServerState
-from radixserve.protocol import PinDone, PinInfo, PinList, SchedulerReady
+from radixserve.protocol import PinDone, PinInfo, PinList, WorkerInfo
 
 
 class _Tokenizer:
@@ -49,7 +49,7 @@ def _app() -> tuple[Starlette, types.SimpleNamespace]:
     state = types.SimpleNamespace(
         config=types.SimpleNamespace(kv_disk_dir=None, max_body_bytes=1 << 20),
         tokenizer=_Tokenizer(), limits=Limits(),
-        ready=SchedulerReady(100, 4, 4096, 100, [0], "m", "float32", "cpu", "generic"),
+        ready=WorkerInfo(100, 4, 4096, 100, [0], "m", "float32", "cpu", "generic"),
         prepare_pool=ThreadPoolExecutor(1, thread_name_prefix="radixserve-prepare"), manager=_Manager(),
     )
     state.prepare = types.MethodType(ServerState.prepare, state)
