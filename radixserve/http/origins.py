@@ -11,7 +11,7 @@ CVE-2024-28224). Two doors, two checks:
   the openai client, SGLang's router) send none and are unaffected.
 - **DNS rebinding.** A page on a name the attacker re-points at 127.0.0.1 is same-origin with
   the server as far as the browser knows, so it could read the answers; but its requests carry
-  the attacker's name in `Host`. `Host` must name the server: the bound address with its port,
+  the attacker's name in `Host`. `Host` must name the server: the bound address (with its port, or none),
   localhost / 127.0.0.1 / [::1] when bound to loopback, or a name of `--allowed-hosts`; else
   421. Bound to every interface (0.0.0.0, ::) with no `--allowed-hosts`, any `Host` is
   accepted (the server cannot know its names); with `--allowed-hosts`, the names given, the
@@ -79,7 +79,9 @@ class OriginPolicy:
             allowed_name, allowed_port = split_host(allowed)
             if name == allowed_name and (allowed_port is None or allowed_port == port):
                 return True
-        ours = port == self.port or (port is None and self.port == 80)
+        # the name is what stops a rebinding page; a raw client that names the host without
+        # its port (curl --resolve tricks, hand-written sockets) still means this server
+        ours = port is None or port == self.port
         if not ours:
             return False
         bound = self.bind_host.lower()

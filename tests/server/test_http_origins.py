@@ -141,7 +141,8 @@ def test_the_host_rules_by_bound_address():
 
     loop = OriginPolicy("127.0.0.1", 30000)
     assert loop.host_ok("127.0.0.1:30000") and loop.host_ok("[::1]:30000") and loop.host_ok("localhost:30000")
-    assert not loop.host_ok("10.0.0.5:30000") and not loop.host_ok("localhost") and not loop.host_ok("[::1")
+    assert not loop.host_ok("10.0.0.5:30000") and loop.host_ok("localhost") and not loop.host_ok("localhost:8080")
+    assert not loop.host_ok("evil.example") and not loop.host_ok("[::1")
     anywhere = OriginPolicy("0.0.0.0", 30000)  # no --allowed-hosts: the server cannot know its names
     assert anywhere.host_ok("evil.example") and anywhere.host_ok("api.example:30000")
     named = OriginPolicy("0.0.0.0", 30000, allowed_hosts=("api.example", "proxy.example:443"))

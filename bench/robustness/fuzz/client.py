@@ -62,7 +62,8 @@ async def _send_raw(url: Any, req: FuzzRequest) -> Answer:
     """Over a plain socket: hang up early (`leave`), send the body slowly (`slow`) or chunked
     (`chunked`), or send a body past the limit (`big`) and still read the 413."""
     payload = req.payload()
-    head = [f"{req.method} {req.path} HTTP/1.1", f"Host: {url.hostname}", "Connection: close"]
+    # Host names the port too (RFC 9110: without one it means port 80), as real clients send it
+    head = [f"{req.method} {req.path} HTTP/1.1", f"Host: {url.netloc}", "Connection: close"]
     head += [f"{k}: {v}" for k, v in {"Content-Type": "application/json", **req.headers}.items()]
     pieces = [payload]
     if req.mode in ("slow", "chunked"):
