@@ -25,6 +25,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from radixserve.config import DTYPES
+from radixserve.ipc import stop_process
 
 if TYPE_CHECKING:
     import torch
@@ -90,15 +91,9 @@ class ServerProcess:
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
         """Send `sig` (unless it has exited) and wait up to `timeout` seconds, then SIGKILL; the
         exit code (-9 where it had to be killed)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        code = stop_process(self.proc, sig, timeout)
         self._log.close()
-        return self.proc.returncode
+        return code
 
 
 @contextlib.contextmanager

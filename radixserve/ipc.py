@@ -7,6 +7,7 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
 import tempfile
 import threading
 import time
@@ -109,6 +110,19 @@ def die_with_parent() -> None:
                 os._exit(1)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+    """Send `sig` to a child (unless it has exited) and wait up to `timeout` seconds for it, then
+    SIGKILL it; its exit code (-9 where it had to be killed)."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
 
 
 def start_child(log_level: str, title: str) -> zmq.Context:

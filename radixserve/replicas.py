@@ -30,6 +30,7 @@ from typing import IO
 
 import httpx
 
+from radixserve.ipc import stop_process
 from radixserve.placement import format_cpu_list, usable_cpus
 
 ROUTER_MODULE = "sglang_router.launch_router"
@@ -94,18 +95,12 @@ class _Process:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path else ""
 
-    def stop(self, timeout: float = 30.0, sig: int = signal.SIGTERM) -> int | None:
-        if self.alive():
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+    def stop(self, timeout: float = 30.0, sig: int = signal.SIGTERM) -> int:
+        code = stop_process(self.proc, sig, timeout)
         if self._log:
             self._log.close()
             self._log = None
-        return self.proc.returncode
+        return code
 
 
 def _wait_until(check: Callable[[], bool], what: str, proc: _Process, timeout: float) -> None:
