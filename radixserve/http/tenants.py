@@ -57,11 +57,6 @@ class Tenants:
     def names(self) -> frozenset[str]:
         return frozenset(name for _, name in self.digests)
 
-    def lookup(self, token: bytes) -> str | None:
-        """The tenant of a presented key, or None."""
-        holder = self.identify(token)
-        return None if holder is None else holder.tenant
-
     def identify(self, token: bytes) -> KeyHolder | None:
         """Who holds a presented key, or None. Compares against every key in constant time
         (digests of equal length, no early exit), so neither which key matched nor any key's

@@ -74,7 +74,7 @@ def test_the_admin_field_of_the_key_file(tmp_path):
     path = tmp_path / "keys.txt"
     path.write_text("k1 t1\nk2 t1 admin\nk3\n")
     tenants = load_api_key_file(path)
-    assert tenants.lookup(b"k1") == tenants.lookup(b"k2") == "t1"  # the admin key is still t1's
+    assert tenants.identify(b"k1").tenant == tenants.identify(b"k2").tenant == "t1"  # the admin key is still t1's
     assert not tenants.identify(b"k1").admin and tenants.identify(b"k2").admin and not tenants.identify(b"k3").admin
     path.write_text("k1 t1 root\n")
     with pytest.raises(ValueError, match="line 1: expected"):

@@ -217,9 +217,9 @@ def test_the_key_file_format(tmp_path):
     path.write_text("# c\n k1  t1 \n\nk2 t1\nk3\n")
     tenants = load_api_key_file(path)
     assert tenants.names == {"t1", derived_name("k3")}
-    assert tenants.lookup(b"k1") == tenants.lookup(b"k2") == "t1"
-    assert tenants.lookup(b"k3") == derived_name("k3") and derived_name("k3").startswith("tenant-")
-    assert tenants.lookup(b"k4") is None and tenants.lookup(b"") is None and tenants.lookup(b"k1 t1") is None
+    assert tenants.identify(b"k1").tenant == tenants.identify(b"k2").tenant == "t1"
+    assert tenants.identify(b"k3").tenant == derived_name("k3") and derived_name("k3").startswith("tenant-")
+    assert tenants.identify(b"k4") is None and tenants.identify(b"") is None and tenants.identify(b"k1 t1") is None
     assert "k3" not in derived_name("k3") and len(derived_name("k3")) == len("tenant-") + 8
 
 
