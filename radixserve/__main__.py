@@ -66,8 +66,8 @@ HELP = {
     "hold, so pins never starve running requests",
     "seed": "sampling seed for requests that bring none",
     "debug_checks": "cross-check KV page accounting after every step (slow; for debugging)",
-    "grammar_compile_timeout": "seconds a constrained request (json_schema, regex, ebnf, structural_tag, "
-    "tools) waits for its grammar to compile; beyond it the request gets 400",
+    "grammar_compile_timeout": "CPU seconds the compile of a constrained request's grammar (json_schema, "
+    "regex, ebnf, structural_tag, tools) may use; then it is killed and the request gets 400",
     "startup_timeout": "seconds the model may take to load",
     "speculative_algorithm": "speculative decoding: ngram (prompt lookup; NGRAM also accepted) drafts the "
     "next tokens from the request's own prompt and output and checks them in one forward; outputs "

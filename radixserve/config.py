@@ -45,7 +45,7 @@ class ServerConfig:
     max_pinned_fraction: float = 0.5  # of the KV pool (and of the disk budget) pins may hold
     seed: int = 0  # for requests that bring no seed of their own
     debug_checks: bool = False  # cross-check page accounting after every step
-    grammar_compile_timeout: float = 5.0  # seconds a request waits for its grammar, then 400
+    grammar_compile_timeout: float = 5.0  # CPU seconds a grammar's compile may use, then 400
     startup_timeout: float = 300.0
     # speculative decoding (scheduler/ngram.py): None = off; "ngram" (SGLang's "NGRAM" too)
     speculative_algorithm: str | None = None

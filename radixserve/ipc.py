@@ -88,11 +88,13 @@ class Receiver(Generic[T]):
         return self._decoder.decode(data)
 
 
-def die_with_parent() -> None:
+def die_with_parent(watch: bool = True) -> None:
     """Make this child process exit when the process that started it goes away.
 
     PR_SET_PDEATHSIG covers a parent killed with SIGKILL on Linux; the watcher thread covers
-    everything else (and other platforms) by noticing that we were re-parented.
+    everything else (and other platforms) by noticing that we were re-parented. A process that
+    forks (the grammar compile process) goes without the thread (`watch=False`): a fork of a
+    process with threads is unsafe.
     """
     parent = os.getppid()
     try:
@@ -103,13 +105,14 @@ def die_with_parent() -> None:
     if os.getppid() != parent:  # the parent died before prctl took effect
         os._exit(1)
 
-    def watch() -> None:
+    def watcher() -> None:
         while True:
             time.sleep(0.5)
             if os.getppid() != parent:
                 os._exit(1)
 
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+    if watch:
+        threading.Thread(target=watcher, name="parent-watch", daemon=True).start()
 
 
 def stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:

@@ -99,7 +99,7 @@ class _SchedulerCollector(Collector):
         counts = stats.grammar_compile_buckets or [0] * (len(GRAMMAR_COMPILE_BUCKETS) + 1)
         bounds = [str(b) for b in GRAMMAR_COMPILE_BUCKETS] + ["+Inf"]
         yield HistogramMetricFamily(
-            PREFIX + "grammar_compile_seconds", "Time to compile one grammar (on the scheduler's compile threads).",
+            PREFIX + "grammar_compile_seconds", "Time to compile one grammar (in the scheduler's compile process).",
             buckets=list(zip(bounds, counts, strict=True)), sum_value=stats.grammar_compile_seconds_sum,
         )
 

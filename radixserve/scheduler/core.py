@@ -50,7 +50,7 @@ from radixserve.protocol import (
     WorkerReady,
 )
 from radixserve.scheduler.draft_pace import DraftPace
-from radixserve.scheduler.grammar import GrammarCompiler, GrammarError
+from radixserve.scheduler.grammar import GrammarBusy, GrammarCompiler, GrammarError
 from radixserve.scheduler.kv import KVManager, pages_for
 from radixserve.scheduler.ngram import NgramDrafter
 from radixserve.scheduler.pins import PinRefused, Pins
@@ -136,7 +136,10 @@ class Scheduler:
         if msg.sampling.grammar is not None:
             if self.grammars is None:
                 return RequestRejected(msg.rid, "constrained decoding is not available in this server")
-            pending = self.grammars.compile(msg.sampling.grammar)  # never blocks; admission waits
+            try:  # never blocks; admission waits for the compile
+                pending = self.grammars.compile(msg.sampling.grammar, resumed=bool(resumed))
+            except GrammarBusy as exc:
+                return RequestRejected(msg.rid, str(exc), retryable=True)
         prompt_logprobs = msg.return_logprob and 0 <= msg.logprob_start_len < len(msg.input_ids)
         if prompt_logprobs and len(indices) > 1 and indices[0] == 0:
             self._prompt_logprobs_pending.add(msg.rid)
@@ -239,7 +242,7 @@ class Scheduler:
             if req.finished:
                 continue  # refused with an earlier sample of its submission
             try:
-                compiled = req.grammar_wait.compiled(self.grammars.timeout, self.grammars.ready_at)
+                compiled = req.grammar_wait.compiled()
             except GrammarError as exc:
                 self._refuse(req.rid, str(exc))
                 continue

@@ -57,7 +57,7 @@ def run_scheduler(config: ServerConfig, endpoints: Endpoints) -> None:
     grammars = GrammarCompiler(
         tokenizer.get, ready.info.vocab_size, ready.info.eos_token_ids, timeout=config.grammar_compile_timeout,
     )
-    threading.Thread(target=grammars.warm_up, name="grammar-warm-up", daemon=True).start()
+    grammars.warm_up()  # its compile process starts now, not at the first constrained request
     scheduler = Scheduler(config, ready, _stop_checker_factory(tokenizer), grammars)
     to_front.send(SchedulerReady(ready.info))
 

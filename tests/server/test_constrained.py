@@ -5,8 +5,12 @@ valid), and the pieces under it: the compile cache, the bitmask the worker appli
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import time
+from pathlib import Path
+from typing import Any
 
 import httpx
 import jsonschema
@@ -19,7 +23,7 @@ from radixserve.front.types import InvalidRequest
 from radixserve.front.validation.limits import Limits
 from radixserve.front.validation.sampling import parse_sampling_params
 from radixserve.protocol import Grammar
-from radixserve.scheduler.grammar import GrammarCompiler, GrammarError
+from radixserve.scheduler.grammar import GrammarBusy, GrammarCompiler, GrammarError, PendingGrammar
 from radixserve.worker.sampler import apply_token_bitmasks
 
 SCHEMAS = [
@@ -188,28 +192,122 @@ def test_validation_builds_one_grammar_and_refuses_the_rest():
         parse_sampling_params({"grammar": {"kind": "regex", "text": "a"}}, vocab_size=100, limits=limits)
 
 
+def _wait(pending: PendingGrammar, timeout: float = 60) -> Any:
+    """The compiled grammar (raises GrammarError)."""
+    deadline = time.monotonic() + timeout
+    while (compiled := pending.compiled()) is None:
+        assert time.monotonic() < deadline, "the compile never ended"
+        time.sleep(0.01)
+    return compiled
+
+
+# a flat schema that takes minutes of CPU to compile (a few hundred patterned strings), though
+# it passes every check before compiling: only killing its compile frees the core
+SLOW_SCHEMA = json.dumps({
+    "type": "object", "properties": {f"p{i}": {"type": "string", "pattern": "[a-z]{1,40}"} for i in range(300)},
+    "required": [f"p{i}" for i in range(300)],
+})
+
+
+def _compile_processes(compiler: GrammarCompiler) -> list[int]:
+    """The pids of the compile process and of its forked compiles."""
+    zygote = compiler._process._proc
+    if zygote is None:
+        return []
+    children = Path(f"/proc/{zygote.pid}/task/{zygote.pid}/children").read_text().split()
+    return [zygote.pid, *map(int, children)]
+
+
 def test_compiler_shares_one_compile_and_reports_errors(smol):
     compiler = GrammarCompiler(lambda: smol, 49152, [2], timeout=30)
     try:
         first = compiler.compile(Grammar("regex", "[0-9]+"))
         second = compiler.compile(Grammar("regex", "[0-9]+"))
         assert first.job is second.job and compiler.counters.compiles == 1 and compiler.counters.cache_hits == 1
-        deadline = time.monotonic() + 30
-        while (compiled := first.compiled(30, compiler.ready_at)) is None:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        matcher = compiler.matcher(compiled)
+        matcher = compiler.matcher(_wait(first))
         bitmask = compiler.new_bitmask()
         matcher.fill_next_token_bitmask(bitmask)
         digit = smol.convert_tokens_to_ids("7")
         letter = smol.convert_tokens_to_ids("a")
         words = bitmask[0]
         assert (words[digit // 32] >> (digit % 32)) & 1 and not (words[letter // 32] >> (letter % 32)) & 1
-        bad = compiler.compile(Grammar("regex", "(a"))
         with pytest.raises(GrammarError, match="parenthesis"):
-            while bad.compiled(30, compiler.ready_at) is None:
-                time.sleep(0.01)
-        assert compiler.counters.buckets[-1] == 2  # both compiles were timed
+            _wait(compiler.compile(Grammar("regex", "(a")))
+        with pytest.raises(GrammarError, match="allows no output"):
+            _wait(compiler.compile(Grammar("ebnf", "root ::= root")))
+        assert compiler.counters.buckets[-1] == 3  # every compile was timed
+    finally:
+        compiler.shutdown()
+
+
+def test_a_compile_past_its_cpu_time_is_killed_and_others_compile_meanwhile(smol):
+    """The slow schema's compile is killed at its budget (its process gone, the core free);
+    a regex queued behind it is not refused for its wait, nor is a resumed request's grammar
+    for its own compile time."""
+    compiler = GrammarCompiler(lambda: smol, 49152, [2], timeout=1.0, parallel=1)
+    try:
+        compiler.warm_up()
+        slow = compiler.compile(Grammar("json_schema", SLOW_SCHEMA))
+        queued = compiler.compile(Grammar("regex", "[0-9]{3}"))
+        deadline = time.monotonic() + 30
+        while len(_compile_processes(compiler)) < 2:  # the slow one runs in its own process
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        slow_pid = _compile_processes(compiler)[1]
+        with pytest.raises(GrammarError, match="did not compile within 1 s"):
+            _wait(slow)
+        assert not Path(f"/proc/{slow_pid}").exists()  # killed and reaped
+        _wait(queued)  # waited behind it for over a second: compiled all the same
+        with pytest.raises(GrammarError, match="did not compile within"):  # refused again at once
+            _wait(compiler.compile(Grammar("json_schema", SLOW_SCHEMA)), timeout=0.5)
+        # over twice the budget alone, but resumed after a restart: never refused for its time
+        medium = json.dumps({
+            "type": "object", "properties": {f"q{i}": {"type": "string", "pattern": "[a-z]{1,40}"} for i in range(40)},
+        })
+        started = time.monotonic()
+        _wait(compiler.compile(Grammar("json_schema", medium), resumed=True), timeout=120)
+        assert time.monotonic() - started > 1.0
+    finally:
+        compiler.shutdown()
+
+
+def test_a_compile_nobody_waits_for_is_killed_and_a_full_queue_is_overload(smol):
+    compiler = GrammarCompiler(lambda: smol, 49152, [2], timeout=60, parallel=1, max_queued=2)
+    try:
+        compiler.warm_up()
+        slow = compiler.compile(Grammar("json_schema", SLOW_SCHEMA))
+        deadline = time.monotonic() + 30
+        while len(_compile_processes(compiler)) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        compiler.compile(Grammar("regex", "a"))
+        compiler.compile(Grammar("regex", "b"))
+        with pytest.raises(GrammarBusy, match="2 grammars are waiting"):
+            compiler.compile(Grammar("regex", "c"))
+        slow_pid = _compile_processes(compiler)[1]
+        compiler.give_up(slow)  # its only request went away: its compile is killed
+        while Path(f"/proc/{slow_pid}").exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        _wait(compiler.compile(Grammar("regex", "c")))  # the queue moved on
+    finally:
+        compiler.shutdown()
+
+
+def test_a_dead_compile_process_fails_its_compiles_and_a_new_one_starts(smol):
+    compiler = GrammarCompiler(lambda: smol, 49152, [2], timeout=60)
+    try:
+        compiler.warm_up()
+        slow = compiler.compile(Grammar("json_schema", SLOW_SCHEMA))
+        deadline = time.monotonic() + 30
+        while len(processes := _compile_processes(compiler)) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        os.kill(processes[0], signal.SIGKILL)  # the compile process itself (its compiles die with it)
+        with pytest.raises(GrammarError, match="its process died"):
+            _wait(slow)
+        _wait(compiler.compile(Grammar("regex", "[a-c]+")))
+        assert _compile_processes(compiler)[0] != processes[0]
     finally:
         compiler.shutdown()
 

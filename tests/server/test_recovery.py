@@ -156,6 +156,61 @@ def test_a_killed_engine_resumes_every_stream_with_the_undisturbed_text(tiny_dir
     assert code == 0, server.log()
 
 
+CONSTRAINED_STREAMS = 8
+# CPU seconds a compile may take: each grammar needs about half of it, so the restarted engine,
+# which recompiles all eight at once, takes longer than this for the last ones
+COMPILE_TIMEOUT = "1.5"
+
+
+def _constrained_body(i: int) -> dict[str, Any]:
+    """A greedy request under a JSON schema of its own: 24 patterned strings (the compile takes
+    a while), then 60 booleans (the output is long enough to be mid-way at the kill)."""
+    props: dict[str, Any] = {
+        f"k{i}_{j}": {"type": "string", "pattern": f"[a-z]{{1,{2 + (i + j) % 3}}}"} for j in range(24)
+    }
+    props["flags"] = {"type": "array", "items": {"type": "boolean"}, "minItems": 60, "maxItems": 60}
+    schema = {"type": "object", "properties": props, "required": list(props)}
+    params = {"max_new_tokens": 1000, "temperature": 0.0, "json_schema": json.dumps(schema)}
+    return {"text": f"Record {i} as JSON:", "sampling_params": params}
+
+
+def test_a_killed_worker_resumes_constrained_streams_with_the_undisturbed_text(tiny_dir, tmp_path):
+    """The restarted engine compiles every stream's grammar again, from an empty cache and all
+    at once: a request whose grammar compiled before the restart is never refused for the time
+    that takes (its compile goes first, and no timeout applies to it)."""
+    server = _start(tiny_dir, tmp_path, *OPTIONS, "--grammar-compile-timeout", COMPILE_TIMEOUT)
+    try:
+        bodies = [_constrained_body(i) for i in range(CONSTRAINED_STREAMS)]
+        for body in bodies:  # one at a time: each grammar compiles alone, and is cached
+            _generate(server.url, {**body, "sampling_params": {**body["sampling_params"], "max_new_tokens": 1}})
+        with ThreadPoolExecutor(CONSTRAINED_STREAMS) as pool:  # undisturbed: the same server, before the kill
+            expected = list(pool.map(lambda b: _generate(server.url, b), bodies))
+        for want in expected:
+            json.loads(want["text"])
+            assert want["meta_info"]["finish_reason"]["type"] == "stop"
+        before = server.info()["pids"]
+
+        streams = [Stream(server.url, b) for b in bodies]
+        deadline = time.monotonic() + 60
+        while not all(len(s.events) >= 3 for s in streams):
+            assert time.monotonic() < deadline, "the streams never got going"
+            time.sleep(0.01)
+        os.kill(before["worker"], signal.SIGKILL)
+        assert "worker" in _wait_restarting(server)
+        for s in streams:
+            s.join(300)
+
+        for s, want in zip(streams, expected, strict=True):
+            assert s.status == 200 and s.done and "error" not in s.events[-1], s.events[-1]
+            s.assert_continuous()
+            assert s.events[-1]["text"] == want["text"] and s.events[-1]["output_ids"] == want["output_ids"]
+        assert server.info()["engine"]["requests_recovered"] == CONSTRAINED_STREAMS
+        assert_pages_balanced(server.wait_idle())
+    finally:
+        code = server.stop()
+    assert code == 0, server.log()
+
+
 def test_a_poison_request_fails_alone_and_the_others_go_on(tiny_dir, tmp_path):
     poison = 49151  # the last vocabulary entry: a step that holds it raises in the worker (test hook)
     server = _start(tiny_dir, tmp_path, *OPTIONS, env={FAIL_ON_TOKEN_ENV: str(poison)})
