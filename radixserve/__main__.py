@@ -52,7 +52,8 @@ HELP = {
     "page_size": "tokens per KV page (the unit of caching and allocation)",
     "chunk_size": "prompt tokens computed per step at most (chunked prefill budget)",
     "max_running_requests": "sequences decoded together at most",
-    "max_queued_requests": "sequences waiting at most; beyond it requests get 503 with Retry-After",
+    "max_queued_requests": "sequences waiting at most, pins waiting to be computed included; beyond it "
+    "requests and pins get 503 with Retry-After",
     "kv_pages": "KV pool size in pages (overrides --kv-memory-gb)",
     "kv_memory_gb": "KV pool size in GiB when --kv-pages is not given",
     "context_len": "cap on prompt + output tokens of one request (default: the model's limit)",

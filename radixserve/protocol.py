@@ -284,6 +284,9 @@ class PinDone(msgspec.Struct, tag=True, omit_defaults=True):
     pin: PinInfo | None = None
     cached_tokens: int = 0  # of the prefix, found cached (memory or disk) before computing
     error: str | None = None
+    # with `error`, why: "refused", it cannot be held (a budget is full, the tier is missing);
+    # "queue_full", the waiting queue is full (retry later)
+    refusal: str = "refused"
 
 
 class PinList(msgspec.Struct, tag=True):

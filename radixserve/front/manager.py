@@ -209,8 +209,13 @@ class TokenizerManager:
 
     async def pin(self, input_ids: list[int], cache_salt: str | None, tier: str, ttl: float | None,
                   timeout: float = PIN_TIMEOUT_S) -> PinDone:
-        """Pin a prefix (computed first if need be: the wait is a prefill's)."""
-        return await self._ask(lambda req_id: PinPrefix(req_id, input_ids, cache_salt, tier, ttl), timeout)
+        """Pin a prefix (computed first if need be: the wait is a prefill's). A full waiting
+        queue raises the retryable `RequestFailed` a request gets; a pin that cannot be held is
+        answered with its `error`."""
+        done: PinDone = await self._ask(lambda req_id: PinPrefix(req_id, input_ids, cache_salt, tier, ttl), timeout)
+        if done.pin is None and done.refusal == "queue_full":
+            raise RequestFailed(done.error or "the waiting queue is full; retry later", retryable=True)
+        return done
 
     async def unpin(self, pin_ids: list[int], input_ids: list[int], cache_salt: str | None,
                     timeout: float = 30.0) -> PinList:

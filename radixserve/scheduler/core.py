@@ -177,7 +177,10 @@ class Scheduler:
 
     def pin(self, order: PinPrefix) -> PinDone | None:
         """Queue a prefix to pin as a prompt-only request (scheduler/pins.py); answered when it
-        ends (`_finish`), or now if it can never be held."""
+        ends (`_finish`), or now, before anything is computed, if it is refused: a full waiting
+        queue (a pin is a prefill, counted like any request), or one that can never be held."""
+        if len(self.waiting) >= self.config.max_queued_requests:
+            return PinDone(order.req_id, error="the waiting queue is full; retry later", refusal="queue_full")
         try:
             self.pins.check_order(order)
         except PinRefused as exc:

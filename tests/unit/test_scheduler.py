@@ -15,6 +15,8 @@ from radixserve.protocol import (
     ChunkResult,
     ForwardBatch,
     ForwardResult,
+    PinDone,
+    PinPrefix,
     RequestOutput,
     RequestRejected,
     ResumedSample,
@@ -507,3 +509,45 @@ def test_draft_pace_grows_from_two_tokens_backs_off_while_drafts_fail_and_resume
         while not pace.allow():
             paused += 1
     assert paused == 64
+
+
+# ---------------------------------------------------------------------- pins
+
+
+def document(seed: int, n: int) -> list[int]:
+    """Token ids of a document that shares no page with another seed's."""
+    return [1000 + seed * 1000 + i for i in range(n)]
+
+
+def run_pins(sched: Scheduler, worker: FakeWorker) -> dict[int, PinDone]:
+    """Step until idle; return the pin replies by order id."""
+    replies: dict[int, PinDone] = {}
+    for _ in range(10_000):
+        batch = sched.build_batch()
+        if batch is not None:
+            sched.process_result(worker.step(batch))
+        replies.update({m.req_id: m for m in sched.take_messages() if isinstance(m, PinDone)})
+        if batch is None:
+            break
+    assert not sched.has_work
+    return replies
+
+
+def computed(worker: FakeWorker, tokens: list[int]) -> bool:
+    """Whether any chunk the worker ran holds one of `tokens`."""
+    return any(set(c.token_ids) & set(tokens) for batch in worker.steps for c in batch.chunks)
+
+
+def test_pins_count_against_the_queue_limit_and_are_refused_before_queueing():
+    """A pin is a prefill like any prompt: beyond --max-queued-requests it gets the retryable
+    refusal a request gets (503 overloaded), and nothing of it is queued."""
+    sched, worker = make(max_queued_requests=2)
+    assert sched.add_request(request("queued", [5, 6, 7])) is None
+    assert sched.pin(PinPrefix(1, document(1, 16))) is None
+    assert sched.add_request(request("refused", [5, 6, 7])).retryable
+    full = sched.pin(PinPrefix(2, document(2, 16)))
+    assert full is not None and full.pin is None and full.refusal == "queue_full", full
+    assert "queue is full" in full.error
+    assert len(sched.waiting) == 2
+    replies = run_pins(sched, worker)
+    assert replies[1].pin is not None and not computed(worker, document(2, 16))
