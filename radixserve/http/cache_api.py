@@ -3,7 +3,7 @@
     POST /cache/pin     {"text" | "input_ids", "cache_salt"?, "tier"?: "memory" | "disk", "ttl"?}
                         computes the prefix if it is not cached and keeps its pages (the
                         scheduler's scheduler/pins.py); answers with the pin, or at once 409
-                        (a budget) or 503 (the queue)
+                        (the budget, pins being made included) or 503 (the queue)
     POST /cache/unpin   {"pin_id"} or {"text" | "input_ids", "cache_salt"?}: ends those pins
     GET  /cache/pins    the pins (with --api-key-file: the caller's tenant's only)
 

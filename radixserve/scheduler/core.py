@@ -178,15 +178,16 @@ class Scheduler:
     def pin(self, order: PinPrefix) -> PinDone | None:
         """Queue a prefix to pin as a prompt-only request (scheduler/pins.py); answered when it
         ends (`_finish`), or now, before anything is computed, if it is refused: a full waiting
-        queue (a pin is a prefill, counted like any request), or one that can never be held."""
+        queue (a pin is a prefill, counted like any request), or one that does not fit in the
+        pins' budget with the pins held and being made."""
         if len(self.waiting) >= self.config.max_queued_requests:
             return PinDone(order.req_id, error="the waiting queue is full; retry later", refusal="queue_full")
-        try:
-            self.pins.check_order(order)
-        except PinRefused as exc:
-            return PinDone(order.req_id, error=str(exc))
         if pages_for(len(order.input_ids) + 1, self.page_size) > self.kv.total_pages:
             return PinDone(order.req_id, error=f"the prefix ({len(order.input_ids)} tokens) does not fit in the KV pool")
+        try:
+            self.pins.take_order(order)
+        except PinRefused as exc:
+            return PinDone(order.req_id, error=str(exc))
         self.waiting.append(Request(
             rid=-1 - order.req_id, index=0, input_ids=order.input_ids,  # never a front's rid (>= 0)
             sampling=SamplingParams(max_new_tokens=0, temperature=0.0), namespace=order.cache_salt or None,

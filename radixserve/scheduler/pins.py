@@ -11,7 +11,9 @@ its pages are in the tree and `Pins.hold` takes them:
 
 Each tier has a budget, ``--max-pinned-fraction`` of the KV pool or of the disk budget, counted
 in distinct pages (pins that share a prefix share its pages), so pins can never starve the
-running requests. A pin ends at `release` (``/cache/unpin``) or when its ttl runs out.
+running requests. A pin order reserves the pages it may add while it is queued and computed,
+so an order that could not be held is refused before any prefill (`take_order`).
+A pin ends at `release` (``/cache/unpin``) or when its ttl runs out.
 """
 
 from __future__ import annotations
@@ -23,10 +25,22 @@ from dataclasses import dataclass, field
 from radixserve.cache.base import TreeNode
 from radixserve.protocol import FinishReason, PinDone, PinInfo, PinPrefix
 from radixserve.scheduler.kv import KVManager
+from radixserve.scheduler.policy import common_prefix_len
 
 
 class PinRefused(ValueError):
     """The pin cannot be held: its budget is full, or its tier is not there."""
+
+
+@dataclass
+class _Order:
+    """A pin being made (its prefix queued or computing) and the pages it reserves: those of its
+    tier the pin may add to the pages held or reserved already."""
+
+    namespace: str | None
+    tier: str
+    input_ids: list[int]  # the prefix's whole pages' tokens
+    pages: int
 
 
 @dataclass
@@ -50,20 +64,39 @@ class Pins:
         self.kv = kv
         self.max_fraction = max_fraction
         self._pins: dict[int, Pin] = {}
+        self._orders: dict[int, _Order] = {}  # by PinPrefix.req_id, until `complete`
         self._ids = itertools.count(1)
 
-    def check_order(self, order: PinPrefix) -> None:
-        """Refuse, before anything is computed, a pin that could never be held."""
+    def take_order(self, order: PinPrefix) -> None:
+        """Accept a pin order, reserving the pages it may add, or refuse it before anything is
+        computed: one that could never be held, and one that would not fit with the pins held
+        and being made."""
         if order.tier == "disk" and self.kv.disk is None:
             raise PinRefused("tier \"disk\" needs the disk tier: start the server with --kv-disk-dir")
-        n_pages = len(order.input_ids) // self.kv.page_size
+        page_size = self.kv.page_size
+        n_pages = len(order.input_ids) // page_size
         if n_pages == 0:
-            raise PinRefused(f"the prefix is shorter than one KV page ({self.kv.page_size} tokens): nothing to pin")
-        if n_pages > self._budget(order.tier):
+            raise PinRefused(f"the prefix is shorter than one KV page ({page_size} tokens): nothing to pin")
+        budget = self._budget(order.tier)
+        if n_pages > budget:
             raise PinRefused(
-                f"the prefix needs {n_pages} pages, more than the {self._budget(order.tier)} that "
+                f"the prefix needs {n_pages} pages, more than the {budget} that "
                 f"--max-pinned-fraction {self.max_fraction} allows pins in the {order.tier} tier"
             )
+        ns = order.cache_salt or None
+        ids = list(order.input_ids[: n_pages * page_size])
+        # pages shared with a pin held or being made in the same namespace and tier are counted once
+        prefixes = [p.input_ids for p in self._pins.values() if p.namespace == ns and p.tier == order.tier]
+        prefixes += [o.input_ids for o in self._orders.values() if o.namespace == ns and o.tier == order.tier]
+        new = n_pages - max((common_prefix_len(ids, other) // page_size for other in prefixes), default=0)
+        held, reserved = len(self._held(order.tier)), self._reserved(order.tier)
+        if held + reserved + new > budget:
+            raise PinRefused(
+                f"the {order.tier} tier's pin budget is full: pins hold {held} of its {budget} pages "
+                f"(--max-pinned-fraction {self.max_fraction}) and pins being made may take {reserved} "
+                f"more; this prefix needs {new}"
+            )
+        self._orders[order.req_id] = _Order(ns, order.tier, ids, new)
 
     def hold(self, order: PinPrefix, req_keys: list[bytes]) -> Pin:
         """The prefix was just computed (its request ended): pin what the tree holds of it.
@@ -81,17 +114,14 @@ class Pins:
             None if order.ttl is None else now + order.ttl,
         )
         if order.tier == "memory":
-            held = self._pages("memory") | set(match.pages)
-            if len(held) > self._budget("memory"):
-                raise PinRefused(f"the memory tier's pin budget ({self._budget('memory')} pages) is full")
+            self._check_hold("memory", set(match.pages))
             self.kv.cache.lock(match.node)
             pin.node, pin.pages = match.node, list(match.pages)
         else:
             disk = self.kv.disk
-            assert disk is not None  # check_order
+            assert disk is not None  # take_order
             keys = req_keys[: len(match.pages)]
-            if len(self._keys() | set(keys)) > self._budget("disk"):
-                raise PinRefused(f"the disk tier's pin budget ({self._budget('disk')} pages) is full")
+            self._check_hold("disk", set(keys))
             disk.index.pin(keys)
             for page, key in zip(match.pages, keys, strict=True):
                 if key not in disk.index:
@@ -108,6 +138,7 @@ class Pins:
     def complete(self, order: PinPrefix, finish: FinishReason, cached_tokens: int) -> PinDone:
         """The reply to a pin order whose prompt-only request just ended (`finish`): the pin
         held, or why not."""
+        self._orders.pop(order.req_id, None)  # answered: no longer in flight, its pages no longer reserved
         if finish.type == "abort":
             return PinDone(order.req_id, error=finish.message or "aborted")
         disk = self.kv.disk
@@ -138,8 +169,7 @@ class Pins:
         return [pin.info() for pin in self._pins.values()]
 
     def pinned_tokens(self, tier: str) -> int:
-        held = self._pages(tier) if tier == "memory" else self._keys()
-        return len(held) * self.kv.page_size
+        return len(self._held(tier)) * self.kv.page_size
 
     def _drop(self, pin: Pin) -> None:
         del self._pins[pin.pin_id]
@@ -153,8 +183,19 @@ class Pins:
             return int(self.max_fraction * self.kv.total_pages)
         return int(self.max_fraction * self.kv.disk.index.capacity) if self.kv.disk is not None else 0
 
-    def _pages(self, tier: str) -> set[int]:
-        return {page for p in self._pins.values() if p.tier == tier for page in p.pages}
+    def _check_hold(self, tier: str, pages: set[int] | set[bytes]) -> None:
+        """Refuse to hold `pages` (the tier's pool pages or disk keys) beyond the tier's budget;
+        `take_order` reserved them, so this holds unless the reservation was wrong."""
+        if len(self._held(tier) | pages) > self._budget(tier):
+            raise PinRefused(f"the {tier} tier's pin budget ({self._budget(tier)} pages) is full")
 
-    def _keys(self) -> set[bytes]:
-        return {key for p in self._pins.values() for key in p.keys}
+    def _held(self, tier: str) -> set[int] | set[bytes]:
+        """The distinct pool pages (tier "memory") or disk keys ("disk") the tier's pins hold."""
+        pins = [p for p in self._pins.values() if p.tier == tier]
+        if tier == "memory":
+            return {page for p in pins for page in p.pages}
+        return {key for p in pins for key in p.keys}
+
+    def _reserved(self, tier: str) -> int:
+        """The pages the tier's pins being made may add."""
+        return sum(o.pages for o in self._orders.values() if o.tier == tier)

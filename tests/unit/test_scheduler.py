@@ -551,3 +551,21 @@ def test_pins_count_against_the_queue_limit_and_are_refused_before_queueing():
     assert len(sched.waiting) == 2
     replies = run_pins(sched, worker)
     assert replies[1].pin is not None and not computed(worker, document(2, 16))
+
+def test_a_pin_over_the_budget_counting_pins_being_made_is_refused_before_any_prefill():
+    """The budget counts the pages of pins held and of pins still queued or computing: a pin
+    that cannot fit is refused at once, not after a prefill of its prefix. A pin that shares
+    pages with one being made needs only its own."""
+    sched, worker = make(pages=64)  # pins may hold 32 pages of 4 tokens
+    first, second = document(1, 80), document(2, 80)  # 20 pages each
+    assert sched.pin(PinPrefix(1, first)) is None
+    over = sched.pin(PinPrefix(2, second))
+    assert over is not None and over.pin is None and over.refusal == "refused", over
+    assert "pin budget" in over.error and "--max-pinned-fraction" in over.error
+    longer = first + document(3, 8)  # 20 pages shared with the first, 2 of its own
+    assert sched.pin(PinPrefix(3, longer)) is None
+    replies = run_pins(sched, worker)
+    assert replies[1].pin.tokens == 80 and replies[3].pin.tokens == 88, replies
+    assert not computed(worker, second)
+    assert sched.pins.pinned_tokens("memory") == 88
+
