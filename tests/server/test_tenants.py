@@ -1,7 +1,7 @@
 """Tenants from API keys (--api-key-file): every key is let in and a wrong one is not, each
 tenant's prefix cache is its own whatever `cache_salt` it sends, the timing of a request tells a
-tenant nothing about another's prompts, per-tenant metrics, a bad key file stops the start, and
-pins count against the waiting queue as requests do."""
+tenant nothing about another's prompts, per-tenant metrics, a bad key file stops the start, and a
+flood of pins from one tenant holds up no other (queue limit, per-tenant pin budgets)."""
 
 from __future__ import annotations
 
@@ -293,10 +293,58 @@ def _document(seed: int, n: int) -> list[int]:
 
 def _refusal(r: httpx.Response) -> None:
     """A refused pin's answer: the documented code, and Retry-After where a retry may succeed."""
-    code = {409: "pin_refused", 503: "overloaded"}[r.status_code]
+    code = {409: "pin_refused", 429: "too_many_pins_in_flight", 503: "overloaded"}[r.status_code]
     assert r.json()["error"]["code"] == code, r.text
     if r.status_code != 409:
         assert r.headers["retry-after"] == "1", r.headers
+
+
+def test_a_flood_of_pins_neither_fills_the_queue_nor_holds_up_another_tenant(start_server, tiny_dir, tmp_path):
+    """Pins count against --max-queued-requests, a tenant has at most
+    --max-pins-in-flight-per-tenant (2) of them queued or computing and at most
+    --max-pinned-share-per-tenant (half) of the pin budget, and every refusal comes before any
+    prefill: 40 pins at once from one tenant (over two keys) get 200/409/429 answers while
+    another tenant's request completes promptly, and only the pins made were computed."""
+    keys = tmp_path / "keys.txt"
+    keys.write_text(KEY_FILE)
+    # pins may hold 2048 pages, one tenant 1024: three 1,200-token documents (300 pages each)
+    server = start_server(tiny_dir, "--dtype", "float32", "--page-size", "4", "--kv-pages", "4096",
+                          "--chunk-size", "32", "--max-queued-requests", "4", "--api-key-file", str(keys))
+    ops = _auth(KEY_OPS)
+    before = metric_samples(httpx.get(server.url + "/metrics", headers=ops).text)["radixserve_prompt_tokens_total"]
+    with ThreadPoolExecutor(41) as pool:
+        pins = [pool.submit(_pin, server, (KEY_A, KEY_A2)[i % 2], _document(i, 1200)) for i in range(40)]
+        time.sleep(0.2)  # the burst is in
+        start = time.monotonic()
+        other = _generate(server, KEY_B, input_ids=[5, 6, 7, 8])
+        waited = time.monotonic() - start
+        answers = [p.result() for p in pins]
+    assert waited < 5, f"tenant-b's 4-token request waited {waited:.1f} s behind tenant-a's pins"
+    statuses = sorted(r.status_code for r in answers)
+    assert set(statuses) <= {200, 409, 429, 503} and 429 in statuses, statuses
+    for r in answers:
+        if r.status_code != 200:
+            _refusal(r)
+    made = [r.json() for r in answers if r.status_code == 200]
+    assert len(made) <= 3, statuses
+    # one pin at a time, tenant-a fills its share: the next is refused at once
+    for seed in range(100, 104):
+        r = _pin(server, KEY_A, _document(seed, 1200))
+        if r.status_code == 409:
+            break
+        assert r.status_code == 200, r.text
+        made.append(r.json())
+    assert r.status_code == 409 and "--max-pinned-share-per-tenant" in r.json()["error"]["message"], r.text
+    assert len(made) == 3
+    r = _pin(server, KEY_B, _document(200, 1200))  # tenant-b's own share is untouched
+    assert r.status_code == 200, r.text
+    made.append(r.json())
+    server.wait_idle(**ops)
+    after = metric_samples(httpx.get(server.url + "/metrics", headers=ops).text)["radixserve_prompt_tokens_total"]
+    assert after - before == 1200 * len(made) + other["prompt_tokens"], "a refused pin was computed"
+    for pin, key in zip(made, [KEY_A] * 3 + [KEY_B], strict=True):
+        assert httpx.post(server.url + "/cache/unpin", json={"pin_id": pin["pin_id"]}, headers=_auth(key)).status_code == 200
+    assert_pages_balanced(server.wait_idle(**ops))
 
 
 def test_a_pin_beyond_the_queue_limit_gets_the_503_a_request_gets(start_server, tiny_dir, tmp_path):
