@@ -52,7 +52,8 @@ HELP = {
     "page_size": "tokens per KV page (the unit of caching and allocation)",
     "chunk_size": "prompt tokens computed per step at most (chunked prefill budget)",
     "max_running_requests": "sequences decoded together at most",
-    "max_queued_requests": "sequences waiting at most; beyond it requests get 503 with Retry-After",
+    "max_queued_requests": "sequences waiting at most, pins waiting to be computed included; beyond it "
+    "requests and pins get 503 with Retry-After",
     "kv_pages": "KV pool size in pages (overrides --kv-memory-gb)",
     "kv_memory_gb": "KV pool size in GiB when --kv-pages is not given",
     "context_len": "cap on prompt + output tokens of one request (default: the model's limit)",
@@ -64,6 +65,11 @@ HELP = {
     "kv_disk_gb": "the disk tier's budget in GiB; least recently used pages are deleted beyond it",
     "max_pinned_fraction": "the share of the KV pool (and of the disk budget) that /cache/pin may "
     "hold, so pins never starve running requests",
+    "max_pinned_share_per_tenant": "with --api-key-file, the share of that pin budget (pins being made "
+    "included) one tenant's pins may hold, so no tenant takes it all; beyond it a pin gets 409 at once "
+    "(1: no share; without --api-key-file the clients share the whole budget)",
+    "max_pins_in_flight_per_tenant": "pins one tenant may have queued or computing at once; beyond it "
+    "/cache/pin gets 429 with Retry-After (without --api-key-file every client counts as one tenant)",
     "seed": "sampling seed for requests that bring none",
     "debug_checks": "cross-check KV page accounting after every step (slow; for debugging)",
     "grammar_compile_timeout": "CPU seconds the compile of a constrained request's grammar (json_schema, "

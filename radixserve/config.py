@@ -43,6 +43,10 @@ class ServerConfig:
     kv_disk_dir: str | None = None
     kv_disk_gb: float = 16.0  # disk budget; least recently used pages go first
     max_pinned_fraction: float = 0.5  # of the KV pool (and of the disk budget) pins may hold
+    # per tenant of api_key_file (scheduler/pins.py): its share of that pin budget, and its pins
+    # queued or computing at once (without tenants, every client together is one tenant)
+    max_pinned_share_per_tenant: float = 0.5
+    max_pins_in_flight_per_tenant: int = 2
     seed: int = 0  # for requests that bring no seed of their own
     debug_checks: bool = False  # cross-check page accounting after every step
     grammar_compile_timeout: float = 5.0  # CPU seconds a grammar's compile may use, then 400
@@ -99,6 +103,9 @@ class ServerConfig:
             raise ValueError(f"kv_disk_gb must be > 0, got {self.kv_disk_gb}")
         if not 0 <= self.max_pinned_fraction <= 1:
             raise ValueError(f"max_pinned_fraction must be in [0, 1], got {self.max_pinned_fraction}")
+        if not 0 < self.max_pinned_share_per_tenant <= 1:
+            raise ValueError(f"max_pinned_share_per_tenant must be in (0, 1], got {self.max_pinned_share_per_tenant}")
+        _at_least("max_pins_in_flight_per_tenant", self.max_pins_in_flight_per_tenant, 1)
         if self.kv_disk_dir is not None and self.disable_radix_cache:
             raise ValueError("kv_disk_dir needs the prefix cache: it cannot go with disable_radix_cache")
         if self.context_len is not None:

@@ -149,7 +149,9 @@ class Engine:
         """Keep a prefix cached on purpose (computed first if need be), as ``POST /cache/pin``:
         in the KV pool (tier "memory") or the disk tier ("disk"), until `unpin` or `ttl` seconds.
         Returns the pin (``pin_id``, ``tokens``, ``cached_tokens``, ...); raises `InvalidRequest`
-        for bad input and `RequestFailed` when its budget (--max-pinned-fraction) is full."""
+        for bad input and `RequestFailed` when its budget (--max-pinned-fraction) is full, or,
+        retryable, when the waiting queue is full or max_pins_in_flight_per_tenant pins are
+        being made (`TooManyPinsInFlight`)."""
         tier, ttl = check_pin_options(tier, ttl, bool(self.config.kv_disk_dir))
         ids, salt = build_prefix(self.tokenizer, self.ready, self.limits, text=prompt, input_ids=input_ids,
                                  cache_salt=cache_salt)

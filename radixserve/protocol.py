@@ -140,6 +140,9 @@ class PinPrefix(msgspec.Struct, tag=True, omit_defaults=True):
     cache_salt: str | None = None  # the cache namespace, as for a request
     tier: str = "memory"  # one of PIN_TIERS
     ttl: float | None = None  # seconds; None: until unpinned
+    # the caller's tenant of --api-key-file (None without one): its pins count against that
+    # tenant's budgets (scheduler/pins.py)
+    tenant: str | None = None
 
 
 class UnpinPrefix(msgspec.Struct, tag=True, omit_defaults=True):
@@ -284,6 +287,10 @@ class PinDone(msgspec.Struct, tag=True, omit_defaults=True):
     pin: PinInfo | None = None
     cached_tokens: int = 0  # of the prefix, found cached (memory or disk) before computing
     error: str | None = None
+    # with `error`, why: "refused", it cannot be held (a budget is full, the tier is missing);
+    # "queue_full", the waiting queue is full (retry later); "pins_in_flight", the tenant has its
+    # bound of pins queued or computing (retry once one is answered)
+    refusal: str = "refused"
 
 
 class PinList(msgspec.Struct, tag=True):

@@ -26,6 +26,7 @@ from radixserve.front.types import (
     GenerateRequest,
     RequestFailed,
     RidInUse,
+    TooManyPinsInFlight,
 )
 from radixserve.ipc import Endpoints
 from radixserve.protocol import (
@@ -208,9 +209,19 @@ class TokenizerManager:
         return await self._ask(FlushCache, timeout)
 
     async def pin(self, input_ids: list[int], cache_salt: str | None, tier: str, ttl: float | None,
-                  timeout: float = PIN_TIMEOUT_S) -> PinDone:
-        """Pin a prefix (computed first if need be: the wait is a prefill's)."""
-        return await self._ask(lambda req_id: PinPrefix(req_id, input_ids, cache_salt, tier, ttl), timeout)
+                  tenant: str | None = None, timeout: float = PIN_TIMEOUT_S) -> PinDone:
+        """Pin a prefix (computed first if need be: the wait is a prefill's) for `tenant`, whose
+        budgets the scheduler applies. A full waiting queue raises the retryable `RequestFailed`
+        a request gets, the tenant's bound of pins in flight `TooManyPinsInFlight`; a pin that
+        cannot be held is answered with its `error`."""
+        done: PinDone = await self._ask(
+            lambda req_id: PinPrefix(req_id, input_ids, cache_salt, tier, ttl, tenant), timeout,
+        )
+        if done.pin is None and done.refusal == "queue_full":
+            raise RequestFailed(done.error or "the waiting queue is full; retry later", retryable=True)
+        if done.pin is None and done.refusal == "pins_in_flight":
+            raise TooManyPinsInFlight(done.error or "too many pins are being made; retry later")
+        return done
 
     async def unpin(self, pin_ids: list[int], input_ids: list[int], cache_salt: str | None,
                     timeout: float = 30.0) -> PinList:

@@ -54,6 +54,14 @@ class RequestCrashedEngine(RequestFailed):
         )
 
 
+class TooManyPinsInFlight(RequestFailed):
+    """The caller's tenant already has its bound of pins being made (--max-pins-in-flight-per-tenant;
+    HTTP 429): it may pin again once one is answered."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, retryable=True)
+
+
 class RidInUse(RequestFailed):
     """The caller's rid labels a request still in flight (HTTP 409): rids name requests for
     `abort`, so two live ones cannot share one."""

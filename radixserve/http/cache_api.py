@@ -2,7 +2,8 @@
 
     POST /cache/pin     {"text" | "input_ids", "cache_salt"?, "tier"?: "memory" | "disk", "ttl"?}
                         computes the prefix if it is not cached and keeps its pages (the
-                        scheduler's scheduler/pins.py); answers with the pin
+                        scheduler's scheduler/pins.py); answers with the pin, or at once 409
+                        (a budget), 429 (the tenant's pins in flight) or 503 (the queue)
     POST /cache/unpin   {"pin_id"} or {"text" | "input_ids", "cache_salt"?}: ends those pins
     GET  /cache/pins    the pins (with --api-key-file: the caller's tenant's only)
 
@@ -44,7 +45,7 @@ async def pin(request: Request) -> Response:
     body = await _body(request, state, _PIN_FIELDS)
     tier, ttl = check_pin_options(body.get("tier", "memory"), body.get("ttl"), bool(state.config.kv_disk_dir))
     ids, ns = await _prefix(request, state, body)
-    done = await state.get_manager().pin(ids, ns, tier, ttl)
+    done = await state.get_manager().pin(ids, ns, tier, ttl, tenant=request.scope.get(SCOPE_KEY))
     if done.pin is None:
         raise HTTPError(409, done.error or "the prefix could not be pinned", code="pin_refused")
     return JSONResponse({**_describe(request, done.pin), "cached_tokens": done.cached_tokens})

@@ -24,6 +24,7 @@ from radixserve.front.types import (
     RequestCrashedEngine,
     RequestFailed,
     RidInUse,
+    TooManyPinsInFlight,
     json_type,
 )
 
@@ -83,6 +84,8 @@ def to_http_error(exc: BaseException) -> HTTPError:
         return HTTPError(500, exc.message, code="request_crashed_engine")
     if isinstance(exc, RidInUse):
         return HTTPError(409, exc.message, param="rid", code="rid_in_use")
+    if isinstance(exc, TooManyPinsInFlight):
+        return HTTPError(429, exc.message, code="too_many_pins_in_flight", headers={"Retry-After": RETRY_AFTER_S})
     if isinstance(exc, RecursionError):  # a JSON walker (dumps, a schema check) met the client's nesting
         return HTTPError(400, "the request is nested too deeply to process")
     if isinstance(exc, RequestFailed):

@@ -113,7 +113,9 @@ class Scheduler:
         self._outputs: list[RequestOutput] = []
         self._rejections: list[RequestRejected] = []  # refused after queueing (a bad grammar)
         self._replies: list[PinDone] = []  # pins made in a step
-        self.pins = Pins(self.kv, config.max_pinned_fraction)
+        self.pins = Pins(
+            self.kv, config.max_pinned_fraction, config.max_pinned_share_per_tenant, config.max_pins_in_flight_per_tenant,
+        )
 
     # ------------------------------------------------------------------ requests in
 
@@ -180,13 +182,16 @@ class Scheduler:
 
     def pin(self, order: PinPrefix) -> PinDone | None:
         """Queue a prefix to pin as a prompt-only request (scheduler/pins.py); answered when it
-        ends (`_finish`), or now if it can never be held."""
-        try:
-            self.pins.check_order(order)
-        except PinRefused as exc:
-            return PinDone(order.req_id, error=str(exc))
+        ends (`_finish`), or now, before anything is computed, if it is refused: a full waiting
+        queue (a pin is a prefill, counted like any request), or the pins' budgets and bounds."""
+        if len(self.waiting) >= self.config.max_queued_requests:
+            return PinDone(order.req_id, error="the waiting queue is full; retry later", refusal="queue_full")
         if pages_for(len(order.input_ids) + 1, self.page_size) > self.kv.total_pages:
             return PinDone(order.req_id, error=f"the prefix ({len(order.input_ids)} tokens) does not fit in the KV pool")
+        try:
+            self.pins.take_order(order)
+        except PinRefused as exc:
+            return PinDone(order.req_id, error=str(exc), refusal=exc.refusal)
         self.waiting.append(Request(
             rid=-1 - order.req_id, index=0, input_ids=order.input_ids,  # never a front's rid (>= 0)
             sampling=SamplingParams(max_new_tokens=0, temperature=0.0), namespace=order.cache_salt or None,

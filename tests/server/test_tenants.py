@@ -1,6 +1,7 @@
 """Tenants from API keys (--api-key-file): every key is let in and a wrong one is not, each
 tenant's prefix cache is its own whatever `cache_salt` it sends, the timing of a request tells a
-tenant nothing about another's prompts, per-tenant metrics, and a bad key file stops the start."""
+tenant nothing about another's prompts, per-tenant metrics, a bad key file stops the start, and a
+flood of pins from one tenant holds up no other (queue limit, per-tenant pin budgets)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from http_helpers import TINY_OPTIONS, metric_samples
+from http_helpers import TINY_OPTIONS, assert_pages_balanced, metric_samples
 
 from radixserve.http.tenants import derived_name, load_api_key_file, namespace
 
@@ -277,3 +279,107 @@ def test_a_tenants_rids_are_its_own(server):
     assert r.json() == {"aborted": 1}
     b.join(60)
     assert results["b"]["meta_info"]["finish_reason"]["type"] == "abort", results["b"]
+
+
+def _pin(server, key: str, ids: list[int]) -> httpx.Response:
+    return httpx.post(server.url + "/cache/pin", json={"input_ids": ids}, headers=_auth(key), timeout=120)
+
+
+def _document(seed: int, n: int) -> list[int]:
+    """Token ids of a document that shares no page with another seed's."""
+    start = 1000 + seed * 7919 % 40000
+    return [start + i for i in range(n)]
+
+
+def _refusal(r: httpx.Response) -> None:
+    """A refused pin's answer: the documented code, and Retry-After where a retry may succeed."""
+    code = {409: "pin_refused", 429: "too_many_pins_in_flight", 503: "overloaded"}[r.status_code]
+    assert r.json()["error"]["code"] == code, r.text
+    if r.status_code != 409:
+        assert r.headers["retry-after"] == "1", r.headers
+
+
+def test_a_flood_of_pins_neither_fills_the_queue_nor_holds_up_another_tenant(start_server, tiny_dir, tmp_path):
+    """Pins count against --max-queued-requests, a tenant has at most
+    --max-pins-in-flight-per-tenant (2) of them queued or computing and at most
+    --max-pinned-share-per-tenant (half) of the pin budget, and every refusal comes before any
+    prefill: 40 pins at once from one tenant (over two keys) get 200/409/429 answers while
+    another tenant's request completes promptly, and only the pins made were computed."""
+    keys = tmp_path / "keys.txt"
+    keys.write_text(KEY_FILE)
+    # pins may hold 2048 pages, one tenant 1024: three 1,200-token documents (300 pages each)
+    server = start_server(tiny_dir, "--dtype", "float32", "--page-size", "4", "--kv-pages", "4096",
+                          "--chunk-size", "32", "--max-queued-requests", "4", "--api-key-file", str(keys))
+    ops = _auth(KEY_OPS)
+    before = metric_samples(httpx.get(server.url + "/metrics", headers=ops).text)["radixserve_prompt_tokens_total"]
+    with ThreadPoolExecutor(41) as pool:
+        pins = [pool.submit(_pin, server, (KEY_A, KEY_A2)[i % 2], _document(i, 1200)) for i in range(40)]
+        time.sleep(0.2)  # the burst is in
+        start = time.monotonic()
+        other = _generate(server, KEY_B, input_ids=[5, 6, 7, 8])
+        waited = time.monotonic() - start
+        answers = [p.result() for p in pins]
+    assert waited < 5, f"tenant-b's 4-token request waited {waited:.1f} s behind tenant-a's pins"
+    statuses = sorted(r.status_code for r in answers)
+    assert set(statuses) <= {200, 409, 429, 503} and 429 in statuses, statuses
+    for r in answers:
+        if r.status_code != 200:
+            _refusal(r)
+    made = [r.json() for r in answers if r.status_code == 200]
+    assert len(made) <= 3, statuses
+    # one pin at a time, tenant-a fills its share: the next is refused at once
+    for seed in range(100, 104):
+        r = _pin(server, KEY_A, _document(seed, 1200))
+        if r.status_code == 409:
+            break
+        assert r.status_code == 200, r.text
+        made.append(r.json())
+    assert r.status_code == 409 and "--max-pinned-share-per-tenant" in r.json()["error"]["message"], r.text
+    assert len(made) == 3
+    r = _pin(server, KEY_B, _document(200, 1200))  # tenant-b's own share is untouched
+    assert r.status_code == 200, r.text
+    made.append(r.json())
+    server.wait_idle(**ops)
+    after = metric_samples(httpx.get(server.url + "/metrics", headers=ops).text)["radixserve_prompt_tokens_total"]
+    assert after - before == 1200 * len(made) + other["prompt_tokens"], "a refused pin was computed"
+    for pin, key in zip(made, [KEY_A] * 3 + [KEY_B], strict=True):
+        assert httpx.post(server.url + "/cache/unpin", json={"pin_id": pin["pin_id"]}, headers=_auth(key)).status_code == 200
+    assert_pages_balanced(server.wait_idle(**ops))
+
+
+def test_a_pin_beyond_the_queue_limit_gets_the_503_a_request_gets(start_server, tiny_dir, tmp_path):
+    """With the one running slot held by a long generation, four pins (two tenants, two each)
+    fill the waiting queue of 4: a fifth pin, like a request, gets 503 overloaded at once; the
+    four are made once the slot frees."""
+    keys = tmp_path / "keys.txt"
+    keys.write_text(KEY_FILE)
+    server = start_server(tiny_dir, *TINY_OPTIONS, "--max-running-requests", "1", "--max-queued-requests", "4",
+                          "--api-key-file", str(keys))
+    ops = _auth(KEY_OPS)
+    body = {"input_ids": [5, 6, 7, 8], "rid": "holds-the-slot",
+            "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True, "temperature": 0}}
+    with ThreadPoolExecutor(5) as pool:
+        long = pool.submit(httpx.post, server.url + "/generate", json=body, headers=_auth(KEY_C), timeout=120)
+        _wait_for_requests(server, {"running": 1, "waiting": 0})
+        pins = [pool.submit(_pin, server, key, _document(300 + i, 64)) for i, key in enumerate((KEY_A, KEY_A2, KEY_B, KEY_B))]
+        _wait_for_requests(server, {"running": 1, "waiting": 4})
+        full = httpx.post(server.url + "/cache/pin", json={"input_ids": _document(310, 64)}, headers=ops, timeout=10)
+        assert full.status_code == 503 and "queue is full" in full.json()["error"]["message"], full.text
+        _refusal(full)
+        r = httpx.post(server.url + "/generate", json={"text": "hi"}, headers=ops, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded", r.text
+        r = httpx.post(server.url + "/abort_request", json={"rid": "holds-the-slot"}, headers=_auth(KEY_C))
+        assert r.json() == {"aborted": 1}, r.text
+        assert long.result().json()["meta_info"]["finish_reason"]["type"] == "abort"
+        made = [p.result() for p in pins]
+    assert [r.status_code for r in made] == [200] * 4, [r.text for r in made]
+    for r, key in zip(made, (KEY_A, KEY_A2, KEY_B, KEY_B), strict=True):
+        assert httpx.post(server.url + "/cache/unpin", json={"pin_id": r.json()["pin_id"]}, headers=_auth(key)).status_code == 200
+    assert_pages_balanced(server.wait_idle(**ops))
+
+
+def _wait_for_requests(server, requests: dict[str, int], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while (seen := server.info(**_auth(KEY_OPS))["requests"]) != requests:
+        assert time.monotonic() < deadline, f"requests {seen}, waited for {requests}"
+        time.sleep(0.05)

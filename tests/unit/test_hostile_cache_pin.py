@@ -33,7 +33,7 @@ class _Manager:
     def __init__(self) -> None:
         self.threads: list[str] = []
 
-    async def pin(self, ids, ns, tier, ttl):
+    async def pin(self, ids, ns, tier, ttl, tenant=None):
         self.threads.append(threading.current_thread().name)
         return PinDone(0, PinInfo(1, ns, len(ids), tier, time.time()))
 

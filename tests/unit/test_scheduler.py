@@ -15,6 +15,8 @@ from radixserve.protocol import (
     ChunkResult,
     ForwardBatch,
     ForwardResult,
+    PinDone,
+    PinPrefix,
     RequestOutput,
     RequestRejected,
     ResumedSample,
@@ -507,3 +509,94 @@ def test_draft_pace_grows_from_two_tokens_backs_off_while_drafts_fail_and_resume
         while not pace.allow():
             paused += 1
     assert paused == 64
+
+
+# ---------------------------------------------------------------------- pins
+
+
+def document(seed: int, n: int) -> list[int]:
+    """Token ids of a document that shares no page with another seed's."""
+    return [1000 + seed * 1000 + i for i in range(n)]
+
+
+def run_pins(sched: Scheduler, worker: FakeWorker) -> dict[int, PinDone]:
+    """Step until idle; return the pin replies by order id."""
+    replies: dict[int, PinDone] = {}
+    for _ in range(10_000):
+        batch = sched.build_batch()
+        if batch is not None:
+            sched.process_result(worker.step(batch))
+        replies.update({m.req_id: m for m in sched.take_messages() if isinstance(m, PinDone)})
+        if batch is None:
+            break
+    assert not sched.has_work
+    return replies
+
+
+def computed(worker: FakeWorker, tokens: list[int]) -> bool:
+    """Whether any chunk the worker ran holds one of `tokens`."""
+    return any(set(c.token_ids) & set(tokens) for batch in worker.steps for c in batch.chunks)
+
+
+def test_pins_count_against_the_queue_limit_and_are_refused_before_queueing():
+    """A pin is a prefill like any prompt: beyond --max-queued-requests it gets the retryable
+    refusal a request gets (503 overloaded), and nothing of it is queued."""
+    sched, worker = make(max_queued_requests=2)
+    assert sched.add_request(request("queued", [5, 6, 7])) is None
+    assert sched.pin(PinPrefix(1, document(1, 16))) is None
+    assert sched.add_request(request("refused", [5, 6, 7])).retryable
+    full = sched.pin(PinPrefix(2, document(2, 16)))
+    assert full is not None and full.pin is None and full.refusal == "queue_full", full
+    assert "queue is full" in full.error
+    assert len(sched.waiting) == 2
+    replies = run_pins(sched, worker)
+    assert replies[1].pin is not None and not computed(worker, document(2, 16))
+
+
+def test_a_pin_over_the_budget_counting_pins_being_made_is_refused_before_any_prefill():
+    """The budget counts the pages of pins held and of pins still queued or computing: a pin
+    that cannot fit is refused at once, not after a prefill of its prefix. A pin that shares
+    pages with one being made needs only its own."""
+    sched, worker = make(pages=64)  # pins may hold 32 pages of 4 tokens
+    first, second = document(1, 80), document(2, 80)  # 20 pages each
+    assert sched.pin(PinPrefix(1, first)) is None
+    over = sched.pin(PinPrefix(2, second))
+    assert over is not None and over.pin is None and over.refusal == "refused", over
+    assert "pin budget" in over.error and "--max-pinned-fraction" in over.error
+    longer = first + document(3, 8)  # 20 pages shared with the first, 2 of its own
+    assert sched.pin(PinPrefix(3, longer)) is None
+    replies = run_pins(sched, worker)
+    assert replies[1].pin.tokens == 80 and replies[3].pin.tokens == 88, replies
+    assert not computed(worker, second)
+    assert sched.pins.pinned_tokens("memory") == 88
+
+
+def test_each_tenant_has_a_share_of_the_pin_budget_and_a_bound_on_pins_in_flight():
+    """One tenant can neither take the whole pin budget nor queue more than a few pins: beyond
+    its share a pin is refused at once (409), beyond its bound on pins in flight it is told to
+    retry (429); another tenant pins meanwhile."""
+    sched, worker = make(pages=128, max_pinned_share_per_tenant=0.5, max_pins_in_flight_per_tenant=2)
+    # pins may hold 64 pages, one tenant 32; each document is 12 pages
+    def order(req_id: int, tenant: str, seed: int) -> PinPrefix:
+        return PinPrefix(req_id, document(seed, 48), cache_salt=tenant, tenant=tenant)
+
+    assert sched.pin(order(1, "alpha", 1)) is None
+    assert sched.pin(order(2, "alpha", 2)) is None
+    busy = sched.pin(order(3, "alpha", 3))
+    assert busy is not None and busy.refusal == "pins_in_flight", busy
+    assert "--max-pins-in-flight-per-tenant" in busy.error
+    assert sched.pin(order(4, "beta", 4)) is None  # another tenant's bound
+    replies = run_pins(sched, worker)
+    assert all(replies[i].pin is not None for i in (1, 2, 4)), replies
+    assert not computed(worker, document(3, 48))
+    # alpha holds 24 of its 32 pages: 12 more do not fit, though the server's budget has room
+    share = sched.pin(order(5, "alpha", 5))
+    assert share is not None and share.refusal == "refused", share
+    assert "--max-pinned-share-per-tenant" in share.error
+    assert sched.pin(order(6, "beta", 6)) is None
+    replies = run_pins(sched, worker)
+    assert replies[6].pin is not None and not computed(worker, document(5, 48))
+    # the refused and answered orders are no longer in flight: alpha may pin what fits
+    assert sched.pin(PinPrefix(7, document(7, 16), cache_salt="alpha", tenant="alpha")) is None
+    assert run_pins(sched, worker)[7].pin is not None
+    assert sched.pins.pinned_tokens("memory") == (12 * 4 + 4) * 4
