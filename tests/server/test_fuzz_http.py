@@ -74,6 +74,8 @@ def test_the_oracle_flags_what_it_must():
     assert judge(gen, Answer(error="reset"), BODY_LIMIT)[0][0][0] == "connection"
     assert judge(gen, Answer(200, events=['{"text": "a"}']), BODY_LIMIT)[0][0][0] == "stream-unfinished"
     assert judge(gen, Answer(200, events=['{"error": {"message": "x"}}'], done=True), BODY_LIMIT)[0][0][0] == "stream-error"
+    echo = json.dumps({"error": {"message": "no route /" + "a" * 4000}}).encode()
+    assert judge(gen, Answer(404, body=echo), BODY_LIMIT)[0][0][0] == "long-error"
     big = FuzzRequest("POST", "/generate", "/generate", {"text": Pad(BODY_LIMIT + 1)})
     assert judge(big, Answer(error="reset"), BODY_LIMIT) == ([], "closed-over-limit")
     assert judge(big, Answer(400, body=b'{"error": {"message": "x"}}'), BODY_LIMIT)[0][0][0] == "limit-not-enforced"
@@ -95,7 +97,7 @@ def test_must_refuse_knows_the_documented_rules(body):
 
 
 def test_must_refuse_lets_valid_bodies_through():
-    assert must_refuse("/generate", {"text": "hi", "image_data": None, "sampling_params": {"max_new_tokens": 1, "logit_bias": {"5": -100}, "top_k": 10**9}}, TARGET) is None
+    assert must_refuse("/generate", {"text": "hi", "image_data": None, "sampling_params": {"max_new_tokens": 1, "logit_bias": {"5": -100}, "top_k": 10**300}}, TARGET) is None
     assert must_refuse("/v1/chat/completions", {"messages": [], "max_tokens": -1, "max_completion_tokens": 2, "foo": 0}, TARGET) is None
     assert must_refuse("/v1/completions", {"prompt": "hi", "max_tokens": 2, "n": 0}, TARGET) is not None
 

@@ -15,14 +15,14 @@ fields with falsy values, repeated keys, streaming on and off, and, in small num
 disconnect (mid-stream or before the answer), bodies at and over `--max-body-bytes`, bodies sent
 in slow pieces or chunked.
 
-The oracle, per request (`judge`, `check_rules`): a 2xx, or a 4xx whose body is a JSON
-error with a message (never a 5xx but the documented 503 `overloaded`; never a connection closed
-without an answer but for a body over the limit), an answer within `--timeout` seconds, a stream
-that ends with `[DONE]` and no error event; a body that breaks a documented rule refused
-(`must_refuse`), one result per sequence asked for, each labelled with the rid the client gave, an
-OpenAI error naming a field the client sent, and no sequence aborted unless an `/abort_request`
-for it (or `abort_all`) ran meanwhile. Every few seconds: `/health` is 200 and the engine's pids
-are unchanged. After the run, once idle: no request running or waiting, and KV pages
+The oracle, per request (`judge`, `check_rules`): a 2xx, or a 4xx whose body is a JSON error with a
+message that echoes no huge value back (never a 5xx but the documented 503 `overloaded`; never a
+connection closed without an answer but for a body over the limit), an answer within `--timeout`
+seconds, a stream that ends with `[DONE]` and no error event; a body that breaks a documented rule
+refused (`must_refuse`), one result per sequence asked for, each labelled with the rid the client
+gave, an OpenAI error naming a field the client sent, and no sequence aborted unless an
+`/abort_request` for it (or `abort_all`) ran meanwhile. Every few seconds: `/health` is 200 and the
+engine's pids are unchanged. After the run, once idle: no request running or waiting, and KV pages
 free + cached == total with none in use. docs/server.md ("Fuzzing") says the same for users.
 
 The package, in the order a run uses it: `request` (the target, one request), `encoding` (JSON

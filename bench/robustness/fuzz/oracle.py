@@ -30,6 +30,11 @@ class Outcome:
     abort_call: tuple[str | None, bool] | None = None  # an /abort_request that answered 200: (rid, all)
 
 
+# An error names what was wrong; it does not echo a client's huge value back (a 4,000-digit id, a
+# 100 kB key): a message past this many characters is a finding
+MAX_ERROR_CHARS = 1000
+
+
 def judge(req: FuzzRequest, ans: Answer, limit: int) -> tuple[list[tuple[str, str]], str | None]:
     """The per-request oracle: (problems, a note on an allowed special case)."""
     over = len(req.payload()) > limit and req.body is not None
@@ -53,8 +58,11 @@ def judge(req: FuzzRequest, ans: Answer, limit: int) -> tuple[list[tuple[str, st
         problems.append(("redirect", f"{ans.status} {ans.headers.get('location')!r}"))
         return problems, None
     if ans.status >= 400:
-        if req.method != "HEAD" and error_message(ans.body) is None:
+        message = error_message(ans.body)
+        if req.method != "HEAD" and message is None:
             problems.append(("bad-error-body", f"{ans.status} {text[:300]!r}"))
+        elif message is not None and len(message) > MAX_ERROR_CHARS:
+            problems.append(("long-error", f"{ans.status}, {len(message)} characters: {message[:300]!r}"))
         return problems, None
     if ans.events is not None:
         for event in ans.events:
@@ -129,10 +137,11 @@ def _empty(value: Any) -> bool:
 def _sampling_refusal(sp: dict[str, Any], target: Target, max_key: str, min_key: str) -> str | None:
     given = {k: v for k, v in sp.items() if v is not None}
 
-    def bad_int(key: str, low: int, high: int) -> bool:
+    def bad_int(key: str, low: int, high: float) -> bool:
         return key in given and (type(given[key]) is not int or not low <= given[key] <= high)
 
-    if bad_int(max_key, 0, 16384) or bad_int("n", 1, 16) or bad_int("seed", 0, 2**63 - 1) or bad_int("top_k", -1, 2**200):
+    # top_k has no upper bound: one at or past the vocabulary is "off", however many digits it has
+    if bad_int(max_key, 0, 16384) or bad_int("n", 1, 16) or bad_int("seed", 0, 2**63 - 1) or bad_int("top_k", -1, math.inf):
         return "a count out of range or not an integer"
     if bad_int(min_key, 0, given.get(max_key, 0) if type(given.get(max_key, 0)) is int else 0):
         return f"{min_key} out of range"
