@@ -1,5 +1,7 @@
 """The HTTP fuzzer (bench/robustness/fuzz/), bounded: a fixed plan of 400 requests over every route against a
-tiny model, valid and hostile, some clients leaving, some slow, some bodies over the limit.
+tiny model, valid and hostile, some clients leaving, some slow, some bodies over the limit, and
+the hostile classes of round two (tools, tool choices, deep and unenforceable schemas, pins,
+requests a browser rule refuses).
 Nothing may answer 5xx, hang, reset a connection it should answer, accept what the documented
 rules refuse, kill or restart the engine, or leave a KV page held once idle. `python -m
 bench.robustness.fuzz` (`make fuzz`) is the long run.
@@ -35,6 +37,8 @@ from bench.robustness.fuzz import (
     run_plan,
     unexplained_aborts,
 )
+from bench.robustness.fuzz.plan import CROSS_ORIGIN_SHAPES, SHAPES
+from bench.robustness.fuzz.schemas import SCHEMA_SHAPES
 
 REQUESTS = 400
 SEED = 0
@@ -48,7 +52,13 @@ KNOWN_SHAPES = (
     "rid-x#1-with-n2", "wrong-value", "unknown-field", "unknown-field-falsy", "deleted-field", "repeated-key",
     "body-not-object", "junk-body", "utf8-body", "long-prompt", "abort", "wrong-method", "unknown-route",
     "big-body", "over-limit", "grammar-good", "grammar-bad", *(f"mode-{m}" for m in MODES),
+    # round two: each class, and each shape the plan deals of it
+    *SHAPES, *(f"tools-{e}" for e in SHAPES["tools"]), *(f"tool_choice-{c}" for c in SHAPES["tool_choice"]),
+    *(f"schema-deep-{s}" for s in SCHEMA_SHAPES), *(f"schema-{k}" for k in SHAPES["schema"] if k not in ("deep", "regex-deep")),
+    "regex-deep", *(s for s in SHAPES["pin"] if s != "list"), *(s for s in CROSS_ORIGIN_SHAPES if s != "content-type"),
+    "odd-content-type", "no-content-type",
 )
+HOSTILE_CLASSES = ("tools", "tool_choice", "schema", "pin", "cross-origin")
 TARGET = Target(model_name="tiny", vocab_size=49152, context_len=2048, max_body_bytes=BODY_LIMIT)
 
 
@@ -137,3 +147,6 @@ def test_fuzz_finds_nothing(server):
     assert report.status_classes["2xx"] > 50 and report.status_classes["4xx"] > 50, report.status_classes
     assert report.notes["left"] > 0, report.notes
     assert report.after["idle"] and report.after["pages"]["in_use"] == 0, report.after
+    # the hostile classes went out, and the browser rules answered theirs
+    assert set(HOSTILE_CLASSES) <= set(report.by_tag), report.by_tag
+    assert {"403", "405", "415", "421"} <= set(report.by_status), report.by_status

@@ -16,12 +16,14 @@ import httpx
 
 from bench.robustness.fuzz.client import Answer, send
 from bench.robustness.fuzz.oracle import (
+    PIN_ROUTES,
     Outcome,
     check_rules,
     error_code,
     error_message,
     json_or_none,
     judge,
+    must_refuse_request,
     unexplained_aborts,
 )
 from bench.robustness.fuzz.request import GENERATING, FuzzRequest, Target
@@ -97,6 +99,7 @@ class _Run:
         self.outcomes: list[Outcome] = []
         self.in_flight: dict[int, FuzzRequest] = {}
         self.recent: deque[int] = deque(maxlen=20)  # the last requests answered
+        self.pinned: set[int] = set()  # pins the plan made: unpinned before the pages are counted
 
     async def send_all(self, concurrency: int, check_every: float, progress: Callable[[int, Report], None] | None) -> None:
         indexes = iter(range(len(self.plan)))
@@ -126,7 +129,7 @@ class _Run:
             detail = f"sequences {o.aborted} ended in abort with no abort call for them"
             report.add_failure("unexplained-abort", detail, self.plan[o.index])
         await self.check_health()
-        report.after = await _after(self.client, idle_timeout)
+        report.after = await _after(self.client, idle_timeout, self.pinned)
         if not report.after["balanced"]:
             report.add_failure("pages", json.dumps(report.after))
 
@@ -161,8 +164,15 @@ class _Run:
         if ans.status is not None:
             report.by_status[str(ans.status)] += 1
             report.status_classes[f"{ans.status // 100}xx"] += 1
-            if req.route in GENERATING:
+            refusal = must_refuse_request(req, self.target)
+            if refusal is not None and not ans.left and ans.status != refusal[0]:
+                outcome.problems.append(("not-refused", f"answered {ans.status}; the rules say {refusal[0]}: {refusal[1]}"))
+            if req.route in GENERATING or req.route in PIN_ROUTES:
                 check_rules(req, ans, outcome, self.target)
+            if ans.status == 200 and req.route == "/cache/pin":
+                answer = json_or_none(ans.body)
+                if isinstance(answer, dict) and type(answer.get("pin_id")) is int:
+                    self.pinned.add(answer["pin_id"])
             if ans.status == 200 and req.route == "/abort_request":
                 body = json_or_none(req.payload())
                 if isinstance(body, dict):
@@ -221,21 +231,36 @@ async def _get_json(url: str, path: str) -> Any:
         return (await client.get(path)).raise_for_status().json()
 
 
-async def _after(client: httpx.AsyncClient, idle_timeout: float) -> dict[str, Any]:
-    """Once nothing runs or waits: every page free or cached, none held."""
+async def _after(client: httpx.AsyncClient, idle_timeout: float, pinned: set[int]) -> dict[str, Any]:
+    """Once nothing runs or waits, and the pins of the plan still held (`pins_left`) are
+    unpinned: every page free or cached, none held."""
     deadline = time.monotonic() + idle_timeout
-    while True:
-        try:
+    pins_left = 0
+    try:
+        while True:
             info = (await client.get("/server_info")).json()
-        except (httpx.HTTPError, ValueError) as exc:
-            return {"idle": False, "error": f"{type(exc).__name__}: {exc}", "balanced": False}
-        idle = info["requests"] == {"running": 0, "waiting": 0}
-        if idle or info["requests"] is None or time.monotonic() > deadline:
-            break
-        await asyncio.sleep(0.5)
+            idle = info["requests"] == {"running": 0, "waiting": 0}
+            if idle or info["requests"] is None or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.5)
+        if idle and pinned:
+            pins_left = await _unpin(client, pinned)
+            info = (await client.get("/server_info")).json()
+    except (httpx.HTTPError, ValueError) as exc:
+        return {"idle": False, "error": f"{type(exc).__name__}: {exc}", "balanced": False}
     pages = info["pages"]
     balanced = idle and pages["in_use"] == 0 and pages["free"] + pages["evictable"] + pages["in_use"] == pages["total"]
-    return {"idle": idle, "pages": pages, "requests": info["requests"], "balanced": balanced}
+    return {"idle": idle, "pages": pages, "requests": info["requests"], "pins_left": pins_left, "balanced": balanced}
+
+
+async def _unpin(client: httpx.AsyncClient, pinned: set[int]) -> int:
+    """Unpin the pins of `pinned` still listed (a pin's pages are held on purpose, and the run
+    leaves the server as it found it); how many there were."""
+    listed = (await client.get("/cache/pins")).raise_for_status().json()["pins"]
+    held = [p["pin_id"] for p in listed if p["pin_id"] in pinned]
+    for pin_id in held:
+        await client.post("/cache/unpin", json={"pin_id": pin_id})
+    return len(held)
 
 
 def print_report(report: Report, file: Any = sys.stdout) -> None:
