@@ -1,7 +1,7 @@
 """The HTTP fuzzer (bench/robustness/fuzz/), bounded: a fixed plan of 400 requests over every route against a
 tiny model, valid and hostile, some clients leaving, some slow, some bodies over the limit, and
 the hostile classes of round two (tools, tool choices, deep and unenforceable schemas, pins,
-requests a browser rule refuses).
+requests a browser rule refuses), with the plain stream probe beside it.
 Nothing may answer 5xx, hang, reset a connection it should answer, accept what the documented
 rules refuse, kill or restart the engine, or leave a KV page held once idle. `python -m
 bench.robustness.fuzz` (`make fuzz`) is the long run.
@@ -150,3 +150,7 @@ def test_fuzz_finds_nothing(server):
     # the hostile classes went out, and the browser rules answered theirs
     assert set(HOSTILE_CLASSES) <= set(report.by_tag), report.by_tag
     assert {"403", "405", "415", "421"} <= set(report.by_status), report.by_status
+    # the plain stream probe timed its stream on the idle server and during the run
+    probe = report.probe
+    assert probe["idle"]["streams"] >= 1 and probe["idle"]["ends"] == {"ok": probe["idle"]["streams"]}, probe
+    assert probe["during"]["streams"] >= 1 and probe["worst_gap_ratio"] is not None, probe

@@ -1,7 +1,7 @@
 """The fuzzer's hostile classes (bench/robustness/fuzz/): the strategies make what they claim (a
 deep schema is as deep as it says, a foreign request is one the browser rules refuse), the
 oracle's rules for tools, schemas, pins and browsers say refuse exactly where the documented
-rules do. No server: tests/server/test_fuzz_http.py runs
+rules do, and the stream probe's figures add up. No server: tests/server/test_fuzz_http.py runs
 the plan against one."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from bench.robustness.fuzz import FuzzRequest, Target, must_refuse, must_refuse_request
 from bench.robustness.fuzz.oracle import json_or_none
 from bench.robustness.fuzz.plan import SHAPES, fuzz_requests
+from bench.robustness.fuzz.probe import StreamTimes, phase_figures, probe_figures, worst_gap
 from bench.robustness.fuzz.schemas import SCHEMA_SHAPES, json_depth, nested_regex, nested_schema
 
 TARGET = Target(model_name="tiny", vocab_size=49152, context_len=2048, max_body_bytes=200_000)
@@ -216,3 +217,13 @@ def test_the_browser_rules_in_their_order():
     opened = Target(**{**TARGET.__dict__, "browser_rules": False})  # --allowed-origins, --allowed-hosts
     assert must_refuse_request(_request(Origin="http://evil.example", Host="evil.example"), opened) is None
 
+
+def test_probe_figures():
+    idle = [StreamTimes.timed(0.0, [0.0, 0.01, 0.02], "ok"), StreamTimes.timed(5.0, [5.0, 5.004, 5.03], "ok")]
+    during = [StreamTimes.timed(10.0, [10.0, 10.01, 10.11, 10.12], "aborted"), StreamTimes((), "overloaded")]
+    assert idle[1].worst_at == 5.004 and worst_gap(during) == pytest.approx((10.01, 10.11))
+    figures = probe_figures(idle, during)
+    assert figures["idle"]["worst_gap_ms"] == 26.0 and figures["during"]["worst_gap_ms"] == 100.0
+    assert figures["during"]["ends"] == {"aborted": 1, "overloaded": 1} and figures["during"]["gaps"] == 3
+    assert figures["worst_gap_ratio"] == pytest.approx(100 / 26, abs=0.01)
+    assert phase_figures([])["worst_gap_ms"] is None and probe_figures([], during)["worst_gap_ratio"] is None

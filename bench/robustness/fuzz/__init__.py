@@ -33,17 +33,23 @@ Origin, 405 wrong method, 415 not JSON), one result per sequence asked for, each
 rid the client gave, an OpenAI error naming a field the client sent, and no sequence aborted unless
 an `/abort_request` for it (or `abort_all`) ran meanwhile. Every few seconds: `/health` is 200 and
 the engine's pids are unchanged. After the run, once idle and the plan's pins unpinned: no request
-running or waiting, and KV pages free + cached == total with none in use. docs/server.md
-("Fuzzing") says the same for users.
+running or waiting, and KV pages free + cached == total with none in use.
+
+Beside the plan, the plain stream probe (`probe`) streams an ordinary /generate request (64
+tokens, greedy) again and again from a process of its own and times the gaps between its chunks,
+first on the idle server, then during the run: the report's `probe` gives both worst gaps and
+their ratio (a measurement, not part of the verdict; `--no-probe` leaves it out).
+docs/server.md ("Fuzzing") says the same for users.
 
 The package, in the order a run uses it: `request` (the target, one request), `encoding` (JSON
 beyond json.dumps), `values`, `schemas` (schemas, regexes, tools, tool choices) and `bodies`
-(hypothesis strategies), `plan` (drawing a plan), `client` (sending), `oracle` (judging), `run` (a
-run and its report), `__main__` (the command).
+(hypothesis strategies), `plan` (drawing a plan), `client` (sending), `oracle` (judging), `probe`
+(the plain stream probe), `run` (a run and its report), `__main__` (the command).
 
 Valid requests ask for at most `--max-new-tokens` tokens (64 for clients that leave), so a run
 measures robustness, not decoding speed. The figures (requests by route and tag, status classes,
-problems, hangs, engine restarts, pages after) are printed and written as JSON (`--out`).
+problems, hangs, engine restarts, pages after, the probe's gaps) are printed and written as JSON
+(`--out`).
 tests/server/test_fuzz_http.py runs a bounded plan against a tiny model in CI.
 """
 

@@ -1,5 +1,5 @@
 """A run: a plan sent by concurrent clients, every answer judged, the engine watched, the page
-accounting checked once idle; the figures as a `Report`."""
+accounting checked once idle, a plain stream timed beside it (`probe`); the figures as a `Report`."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from bench.robustness.fuzz.oracle import (
     must_refuse_request,
     unexplained_aborts,
 )
+from bench.robustness.fuzz.probe import StreamProbe, probe_figures, worst_gap
 from bench.robustness.fuzz.request import GENERATING, FuzzRequest, Target
 
 # a prompt at the edge of the context (8k tokens for the default model) takes a loaded 2-core
@@ -51,6 +52,7 @@ class Report:
     health_failures: int = 0
     engine_restarts: int = 0
     after: dict[str, Any] = field(default_factory=dict)
+    probe: dict[str, Any] = field(default_factory=dict)  # the plain stream's gaps, idle and during the run
     failures: list[dict[str, Any]] = field(default_factory=list)  # the first few, with their requests
 
     @property
@@ -73,18 +75,30 @@ class Report:
 
 
 async def run_plan(url: str, plan: Sequence[FuzzRequest], *, concurrency: int = 8, timeout: float = 60.0,
-                   check_every: float = 5.0, idle_timeout: float = 120.0,
+                   check_every: float = 5.0, idle_timeout: float = 120.0, probe: bool = True,
                    progress: Callable[[int, Report], None] | None = None) -> Report:
     """Send `plan` with `concurrency` clients, checking each answer, the engine's health and
     pids every `check_every` seconds, and the page accounting once idle at the end. A dead
-    engine ends the run early, naming the requests in flight then (and the last ones before)."""
+    engine ends the run early, naming the requests in flight then (and the last ones before).
+    With `probe`, a plain stream is timed on the idle server first, then beside the plan."""
     info = await _get_json(url, "/server_info")
+    stream_probe = StreamProbe(url, timeout=timeout) if probe else None
+    if stream_probe is not None:
+        await asyncio.to_thread(stream_probe.measure_idle)
     no_keepalive = httpx.Limits(max_connections=4 * concurrency, max_keepalive_connections=0)  # no reuse races
     async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=no_keepalive) as client:
         run = _Run(client, plan, Target.from_info(info), info["pids"], timeout)
         begin = time.monotonic()
-        await run.send_all(concurrency, check_every, progress)
+        if stream_probe is not None:
+            stream_probe.start_during()
+        try:
+            await run.send_all(concurrency, check_every, progress)
+        finally:
+            if stream_probe is not None:
+                await asyncio.to_thread(stream_probe.finish)
         await run.finish(idle_timeout)
+    if stream_probe is not None:
+        run.add_probe(stream_probe)
     run.report.duration_s = round(time.monotonic() - begin, 1)
     return run.report
 
@@ -132,6 +146,27 @@ class _Run:
         report.after = await _after(self.client, idle_timeout, self.pinned)
         if not report.after["balanced"]:
             report.add_failure("pages", json.dumps(report.after))
+
+    def add_probe(self, probe: StreamProbe) -> None:
+        """The probe's figures, with the plan's requests in flight across its worst gap during
+        the run (what held the stream up). A stream of it that failed is a problem like any
+        request's, and so is one aborted with no `abort_all` of the plan running meanwhile."""
+        self.report.probe = probe_figures(probe.streams["idle"], probe.streams["during"])
+        window = worst_gap(probe.streams["during"])
+        if window is not None:
+            overlapping = [o for o in self.outcomes if o.start < window[1] and o.end > window[0]]
+            self.report.probe["during"]["worst_gap_in_flight"] = [
+                {"route": o.route, "status": o.status, "body_bytes": len(self.plan[o.index].payload()),
+                 "tags": list(self.plan[o.index].tags)} for o in overlapping
+            ]
+        abort_alls = [o for o in self.outcomes if o.abort_call is not None and o.abort_call[1]]
+        for phase, streams in probe.streams.items():
+            for times in streams:
+                if times.end.startswith("failed"):
+                    self.report.add_failure("probe", f"{phase}: {times.end}")
+                start, end = times.span
+                if times.end == "aborted" and not any(c.start <= end and c.end >= start for c in abort_alls):
+                    self.report.add_failure("unexplained-abort", f"a probe stream ({phase}) ended in abort with no abort_all meanwhile")
 
     async def _one(self, i: int) -> Outcome:
         req, report = self.plan[i], self.report
@@ -272,5 +307,15 @@ def print_report(report: Report, file: Any = sys.stdout) -> None:
     print(f"  hangs: {report.hangs}, engine dead: {report.engine_dead}, health failures: {report.health_failures}, "
           f"engine restarts: {report.engine_restarts}", file=file)
     print(f"  after: {json.dumps(report.after)}", file=file)
+    if report.probe:
+        idle, during = report.probe["idle"], report.probe["during"]
+        print(f"  probe: worst gap idle {idle['worst_gap_ms']} ms, during the run {during['worst_gap_ms']} ms: "
+              f"{report.probe['worst_gap_ratio']}x", file=file)
+        for phase in ("idle", "during"):
+            figures = {k: v for k, v in report.probe[phase].items() if k != "worst_gap_in_flight"}
+            print(f"    {phase}: {json.dumps(figures)}", file=file)
+        for o in report.probe["during"].get("worst_gap_in_flight", []):
+            print(f"    in flight across the worst gap: {o['route']} {o['status']} {o['body_bytes']} bytes "
+                  f"{' '.join(o['tags'])}", file=file)
     for failure in report.failures[:10]:
         print(f"  FAILURE {json.dumps(failure)[:1500]}", file=file)
