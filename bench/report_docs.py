@@ -239,6 +239,12 @@ def render_fuzz(results: Path) -> str:
     if pages:
         lines.append(f"After the run, idle: pages total {_n(pages['total'])}, free {_n(pages['free'])}, evictable "
                      f"{_n(pages['evictable'])}, in use {pages['in_use']}.")
+    probe = d.get("probe")
+    if probe:  # results written before the probe have none
+        idle, during = probe["idle"], probe["during"]
+        lines.append(f"Plain stream probe (64 tokens, greedy): worst gap between chunks {idle['worst_gap_ms']} ms on the "
+                     f"idle server ({idle['streams']} streams), {during['worst_gap_ms']} ms during the run "
+                     f"({during['streams']} streams): {probe['worst_gap_ratio']}x.")
     return "\n".join(lines)
 
 

@@ -36,7 +36,7 @@ from radixserve.config import ServerConfig
 from radixserve.front.manager import TokenizerManager
 from radixserve.front.recovery import BackendEvents
 from radixserve.http import cache_api, native, web_ui
-from radixserve.http.common import HTTPError
+from radixserve.http.common import HTTPError, shown
 from radixserve.http.middleware import (
     APIKeyMiddleware,
     DrainMiddleware,
@@ -118,5 +118,6 @@ async def _lifespan(app: Starlette) -> AsyncIterator[None]:
 
 async def _http_exception(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
-    message = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
+    path = shown(request.url.path)
+    message = {404: f"no route {path}", 405: f"{shown(request.method)} is not allowed on {path}"}
     return HTTPError(exc.status_code, message.get(exc.status_code, str(exc.detail))).response()

@@ -22,7 +22,7 @@ from starlette.routing import Route
 
 from radixserve.front.types import InvalidRequest
 from radixserve.front.validation.inputs import build_prefix, check_pin_options
-from radixserve.http.common import HTTPError, JSONResponse, handles_errors, read_json
+from radixserve.http.common import HTTPError, JSONResponse, handles_errors, read_json, shown
 from radixserve.http.state import ServerState
 from radixserve.http.tenants import SCOPE_KEY, namespace, salt_in
 from radixserve.protocol import PinInfo
@@ -64,7 +64,7 @@ async def unpin(request: Request) -> Response:
             raise InvalidRequest("`pin_id` must be an integer", param="pin_id")
         mine = [p.pin_id for p in (await manager.pins()).pins if _visible(request, p)]
         released = (await manager.unpin([pin_id], [], None)).pins if pin_id in mine else []
-        what = f"no pin {pin_id}"
+        what = f"no pin {shown(str(pin_id))}"
     else:
         ids, ns = await _prefix(request, state, body)
         released = (await manager.unpin([], ids, ns)).pins

@@ -1,5 +1,7 @@
 """The HTTP fuzzer (bench/robustness/fuzz/), bounded: a fixed plan of 400 requests over every route against a
-tiny model, valid and hostile, some clients leaving, some slow, some bodies over the limit.
+tiny model, valid and hostile, some clients leaving, some slow, some bodies over the limit, and
+the hostile classes of round two (tools, tool choices, deep and unenforceable schemas, pins,
+requests a browser rule refuses), with the plain stream probe beside it.
 Nothing may answer 5xx, hang, reset a connection it should answer, accept what the documented
 rules refuse, kill or restart the engine, or leave a KV page held once idle. `python -m
 bench.robustness.fuzz` (`make fuzz`) is the long run.
@@ -35,6 +37,8 @@ from bench.robustness.fuzz import (
     run_plan,
     unexplained_aborts,
 )
+from bench.robustness.fuzz.plan import CROSS_ORIGIN_SHAPES, SHAPES
+from bench.robustness.fuzz.schemas import SCHEMA_SHAPES
 
 REQUESTS = 400
 SEED = 0
@@ -48,7 +52,13 @@ KNOWN_SHAPES = (
     "rid-x#1-with-n2", "wrong-value", "unknown-field", "unknown-field-falsy", "deleted-field", "repeated-key",
     "body-not-object", "junk-body", "utf8-body", "long-prompt", "abort", "wrong-method", "unknown-route",
     "big-body", "over-limit", "grammar-good", "grammar-bad", *(f"mode-{m}" for m in MODES),
+    # round two: each class, and each shape the plan deals of it
+    *SHAPES, *(f"tools-{e}" for e in SHAPES["tools"]), *(f"tool_choice-{c}" for c in SHAPES["tool_choice"]),
+    *(f"schema-deep-{s}" for s in SCHEMA_SHAPES), *(f"schema-{k}" for k in SHAPES["schema"] if k not in ("deep", "regex-deep")),
+    "regex-deep", *(s for s in SHAPES["pin"] if s != "list"), *(s for s in CROSS_ORIGIN_SHAPES if s != "content-type"),
+    "odd-content-type", "no-content-type",
 )
+HOSTILE_CLASSES = ("tools", "tool_choice", "schema", "pin", "cross-origin")
 TARGET = Target(model_name="tiny", vocab_size=49152, context_len=2048, max_body_bytes=BODY_LIMIT)
 
 
@@ -74,6 +84,8 @@ def test_the_oracle_flags_what_it_must():
     assert judge(gen, Answer(error="reset"), BODY_LIMIT)[0][0][0] == "connection"
     assert judge(gen, Answer(200, events=['{"text": "a"}']), BODY_LIMIT)[0][0][0] == "stream-unfinished"
     assert judge(gen, Answer(200, events=['{"error": {"message": "x"}}'], done=True), BODY_LIMIT)[0][0][0] == "stream-error"
+    echo = json.dumps({"error": {"message": "no route /" + "a" * 4000}}).encode()
+    assert judge(gen, Answer(404, body=echo), BODY_LIMIT)[0][0][0] == "long-error"
     big = FuzzRequest("POST", "/generate", "/generate", {"text": Pad(BODY_LIMIT + 1)})
     assert judge(big, Answer(error="reset"), BODY_LIMIT) == ([], "closed-over-limit")
     assert judge(big, Answer(400, body=b'{"error": {"message": "x"}}'), BODY_LIMIT)[0][0][0] == "limit-not-enforced"
@@ -95,7 +107,7 @@ def test_must_refuse_knows_the_documented_rules(body):
 
 
 def test_must_refuse_lets_valid_bodies_through():
-    assert must_refuse("/generate", {"text": "hi", "image_data": None, "sampling_params": {"max_new_tokens": 1, "logit_bias": {"5": -100}, "top_k": 10**9}}, TARGET) is None
+    assert must_refuse("/generate", {"text": "hi", "image_data": None, "sampling_params": {"max_new_tokens": 1, "logit_bias": {"5": -100}, "top_k": 10**300}}, TARGET) is None
     assert must_refuse("/v1/chat/completions", {"messages": [], "max_tokens": -1, "max_completion_tokens": 2, "foo": 0}, TARGET) is None
     assert must_refuse("/v1/completions", {"prompt": "hi", "max_tokens": 2, "n": 0}, TARGET) is not None
 
@@ -135,3 +147,10 @@ def test_fuzz_finds_nothing(server):
     assert report.status_classes["2xx"] > 50 and report.status_classes["4xx"] > 50, report.status_classes
     assert report.notes["left"] > 0, report.notes
     assert report.after["idle"] and report.after["pages"]["in_use"] == 0, report.after
+    # the hostile classes went out, and the browser rules answered theirs
+    assert set(HOSTILE_CLASSES) <= set(report.by_tag), report.by_tag
+    assert {"403", "405", "415", "421"} <= set(report.by_status), report.by_status
+    # the plain stream probe timed its stream on the idle server and during the run
+    probe = report.probe
+    assert probe["idle"]["streams"] >= 1 and probe["idle"]["ends"] == {"ok": probe["idle"]["streams"]}, probe
+    assert probe["during"]["streams"] >= 1 and probe["worst_gap_ratio"] is not None, probe

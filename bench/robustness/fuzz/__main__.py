@@ -27,6 +27,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--timeout", type=float, default=60.0, help="seconds before a request counts as a hang")
     p.add_argument("--max-new-tokens", type=int, default=4, help="the most tokens a valid request asks for")
+    p.add_argument("--no-probe", action="store_true",
+                   help="no plain stream probe (its gaps on the idle server, then during the run)")
     add_model(p, help="without --url: the model to serve; `tiny`: a 2-layer random model on the default tokenizer",
               dtype_help="without --url (auto: bf16 on CUDA and avx2+ CPUs, else fp32)")
     add_server_arg(p, help="more `serve` options without --url")
@@ -56,7 +58,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"fuzz: {done}/{len(plan)} sent, problems {dict(report.problems)}", file=sys.stderr, flush=True)
             write(report, partial=True)  # what a killed run found is not lost
 
-        run = run_plan(url, plan, concurrency=args.concurrency, timeout=args.timeout, progress=progress)
+        run = run_plan(url, plan, concurrency=args.concurrency, timeout=args.timeout, probe=not args.no_probe,
+                       progress=progress)
         report = asyncio.run(run)
     write(report, partial=False)
     print_report(report)

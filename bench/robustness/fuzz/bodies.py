@@ -1,5 +1,6 @@
 """Hypothesis strategies for request bodies: valid ones for each generating route, hostile edits
-of them, and the cap that keeps every request cheap."""
+of them, chat bodies with hostile tools, /cache/pin and /cache/unpin bodies, and the cap that
+keeps every request cheap."""
 
 from __future__ import annotations
 
@@ -11,7 +12,12 @@ from hypothesis import strategies as st
 
 from bench.robustness.fuzz.encoding import Pairs
 from bench.robustness.fuzz.request import Target
+from bench.robustness.fuzz.schemas import choose_tool, hostile_tools
 from bench.robustness.fuzz.values import (
+    BAD_PIN_IDS,
+    BAD_TIERS,
+    BAD_TTLS,
+    EDGE_TTLS,
     FALSY,
     MAX_KEYS,
     PROMPTS,
@@ -300,3 +306,98 @@ def cap_tokens(body: Any, target: Target, cap: int, path: str) -> None:
         fix(body, "max_completion_tokens")
     else:
         fix(body, "max_tokens")
+
+
+def tools_body(draw: Any, target: Target, tags: list[str], cap: int, edit: str, choice: str) -> dict[str, Any]:
+    """A valid chat body with `tools` edited as `edit` says and a `tool_choice` of the shape
+    `choice` (`schemas.TOOL_EDITS`, `schemas.TOOL_CHOICES`)."""
+    body = chat_body(draw, target, tags, cap)
+    body["tools"] = hostile_tools(draw, target, tags, edit)
+    choose_tool(draw, body, tags, choice)
+    if one_in(draw, 8):
+        body["parallel_tool_calls"] = draw(st.sampled_from((True, False, "yes", 1)))
+    return body
+
+
+# Prefixes to pin: longer than a KV page of any page size a server takes, and ending where no
+# token merges across (a newline), so that a prompt starting with one hits it
+PIN_TEXTS = tuple(f"You are support agent {i} for ACME. Our return policy: items may be returned within 30 days.\n"
+                  for i in range(4))
+
+
+# the edits of pin and unpin bodies, in the proportions a plan deals them (`plan.SHAPES`)
+PIN_EDITS = {"valid": 30, "ttl": 20, "edge-ttl": 5, "tier": 15, "prefix": 15, "salt": 5, "unknown": 10}
+UNPIN_EDITS = {"pin_id": 30, "prefix": 25, "bad-pin_id": 25, "both": 10, "bad-prefix": 5, "unknown": 5}
+
+
+def pin_body(draw: Any, target: Target, tags: list[str], edit: str) -> dict[str, Any]:
+    """A /cache/pin body: a valid prefix pinned for a while (rarely until unpinned), with one
+    field of a wrong kind unless `edit` (of `PIN_EDITS`) is "valid"."""
+    tags.append(f"pin-{edit}")
+    body = _prefix(draw, target)
+    if not one_in(draw, 5):
+        body["ttl"] = draw(st.sampled_from((1, 5, 30, 0.5)))
+    if edit == "valid":
+        return body
+    if edit in ("ttl", "edge-ttl"):
+        body["ttl"] = draw(st.sampled_from(BAD_TTLS if edit == "ttl" else EDGE_TTLS))
+    elif edit == "tier":
+        body["tier"] = copy.deepcopy(draw(st.sampled_from(BAD_TIERS)))
+    elif edit == "prefix":
+        _bad_prefix(draw, target, body)
+    elif edit == "salt":
+        body["cache_salt"] = copy.deepcopy(draw(st.one_of(st.sampled_from(("", "s" * 257)), hostile())))
+    else:
+        body[draw(st.sampled_from(("pin_id", "rid", "sampling_params", *UNKNOWN_KEYS)))] = copy.deepcopy(draw(hostile()))
+    return body
+
+
+def unpin_body(draw: Any, target: Target, tags: list[str], edit: str) -> dict[str, Any]:
+    """A /cache/unpin body of an `UNPIN_EDITS` edit: a pin_id (most of them unknown: a 404) or a
+    pinned prefix, or with a field of a wrong kind, or both at once."""
+    tags.append(f"unpin-{edit}")
+    if edit == "pin_id":
+        return {"pin_id": draw(st.integers(1, 40))}
+    if edit == "prefix":
+        return _prefix(draw, target)
+    if edit == "bad-pin_id":
+        return {"pin_id": copy.deepcopy(draw(st.sampled_from(BAD_PIN_IDS)))}
+    if edit == "both":
+        return {"pin_id": draw(st.integers(1, 40)), **_prefix(draw, target)}
+    body = _prefix(draw, target)
+    if edit == "bad-prefix":
+        _bad_prefix(draw, target, body)
+    else:
+        body[draw(st.sampled_from(("tier", "ttl", *UNKNOWN_KEYS)))] = copy.deepcopy(draw(hostile()))
+    return body
+
+
+def _prefix(draw: Any, target: Target) -> dict[str, Any]:
+    """A prefix to pin or unpin: one of a few texts, or of a few id lists (so that pins and unpins
+    meet), with a salt now and then."""
+    if draw(st.booleans()):
+        body: dict[str, Any] = {"text": draw(st.sampled_from(PIN_TEXTS))}
+    else:
+        start = draw(st.sampled_from((100, 200, target.vocab_size - 80)))
+        body = {"input_ids": list(range(start, start + draw(st.sampled_from((16, 64, 80)))))}
+    if one_in(draw, 5):
+        body["cache_salt"] = draw(st.sampled_from(("tenant-a", "tenant-b")))
+    return body
+
+
+def _bad_prefix(draw: Any, target: Target, body: dict[str, Any]) -> None:
+    """The prefix made wrong: both fields, neither, a batch, too short, out of the vocabulary, or
+    of a wrong type."""
+    shape = draw(st.sampled_from(("both", "neither", "batch", "short", "out-of-vocab", "hostile")))
+    body.pop("text", None)
+    body.pop("input_ids", None)
+    if shape == "both":
+        body.update(text=PIN_TEXTS[0], input_ids=[5] * 16)
+    elif shape == "batch":
+        body.update(draw(st.sampled_from(({"text": list(PIN_TEXTS[:2])}, {"input_ids": [[5] * 16, [6] * 16]}))))
+    elif shape == "short":
+        body.update(draw(st.sampled_from(({"text": "a"}, {"text": ""}, {"input_ids": [5]}, {"input_ids": []}))))
+    elif shape == "out-of-vocab":
+        body["input_ids"] = [5] * 15 + [draw(st.sampled_from((target.vocab_size, -1, 2**63, 10**400)))]
+    elif shape == "hostile":
+        body[draw(st.sampled_from(("text", "input_ids")))] = copy.deepcopy(draw(hostile()))

@@ -37,7 +37,7 @@ async def send(client: httpx.AsyncClient, req: FuzzRequest, timeout: float = 60.
 
 async def _send_httpx(client: httpx.AsyncClient, req: FuzzRequest, timeout: float) -> Answer:
     content = None if req.body is None else req.payload()
-    headers = {"Content-Type": "application/json", **req.headers} if content is not None else req.headers
+    headers = {**_content_type(req), **req.headers} if content is not None else req.headers
     try:
         async with client.stream(req.method, req.path, content=content, headers=headers, timeout=timeout) as r:
             ans = Answer(r.status_code, dict(r.headers))
@@ -64,7 +64,7 @@ async def _send_raw(url: Any, req: FuzzRequest) -> Answer:
     payload = req.payload()
     # Host names the port too (RFC 9110: without one it means port 80), as real clients send it
     head = [f"{req.method} {req.path} HTTP/1.1", f"Host: {url.netloc}", "Connection: close"]
-    head += [f"{k}: {v}" for k, v in {"Content-Type": "application/json", **req.headers}.items()]
+    head += [f"{k}: {v}" for k, v in {**_content_type(req), **req.headers}.items()]
     pieces = [payload]
     if req.mode in ("slow", "chunked"):
         step = -(-len(payload) // req.pieces) or 1
@@ -104,6 +104,10 @@ async def _send_raw(url: Any, req: FuzzRequest) -> Answer:
         writer.close()
         with contextlib.suppress(OSError):
             await writer.wait_closed()
+
+
+def _content_type(req: FuzzRequest) -> dict[str, str]:
+    return {} if req.content_type is None else {"Content-Type": req.content_type}
 
 
 def _parse_http(raw: bytes) -> Answer:

@@ -9,10 +9,14 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 from bench.robustness.fuzz.client import Answer
 from bench.robustness.fuzz.request import GENERATING, FuzzRequest, Target
+from bench.robustness.fuzz.schemas import json_depth
 from bench.robustness.fuzz.values import SAMPLING_KEYS, SGLANG_UNSUPPORTED, UNKNOWN_KEYS
+
+PIN_ROUTES = ("/cache/pin", "/cache/unpin")
 
 
 @dataclass
@@ -28,6 +32,11 @@ class Outcome:
     note: str | None = None  # left, hang, overloaded, closed-over-limit
     aborted: list[str | None] = field(default_factory=list)  # labels of sequences that ended in "abort"
     abort_call: tuple[str | None, bool] | None = None  # an /abort_request that answered 200: (rid, all)
+
+
+# An error names what was wrong; it does not echo a client's huge value back (a 4,000-digit id, a
+# 100 kB key): a message past this many characters is a finding
+MAX_ERROR_CHARS = 1000
 
 
 def judge(req: FuzzRequest, ans: Answer, limit: int) -> tuple[list[tuple[str, str]], str | None]:
@@ -53,8 +62,11 @@ def judge(req: FuzzRequest, ans: Answer, limit: int) -> tuple[list[tuple[str, st
         problems.append(("redirect", f"{ans.status} {ans.headers.get('location')!r}"))
         return problems, None
     if ans.status >= 400:
-        if req.method != "HEAD" and error_message(ans.body) is None:
+        message = error_message(ans.body)
+        if req.method != "HEAD" and message is None:
             problems.append(("bad-error-body", f"{ans.status} {text[:300]!r}"))
+        elif message is not None and len(message) > MAX_ERROR_CHARS:
+            problems.append(("long-error", f"{ans.status}, {len(message)} characters: {message[:300]!r}"))
         return problems, None
     if ans.events is not None:
         for event in ans.events:
@@ -94,6 +106,8 @@ def must_refuse(route: str, body: Any, target: Target) -> str | None:
     accept it (the oracle for 2xx answers to bodies that break a rule)."""
     if not isinstance(body, dict):
         return "the body is not a JSON object"
+    if route in PIN_ROUTES:
+        return _pin_refusal(route, body, target)
     if route == "/generate":
         unknown = [k for k in body if k in UNKNOWN_KEYS]
         unknown += [k for k in body if k in SGLANG_UNSUPPORTED and not _empty(body[k])]
@@ -110,15 +124,174 @@ def must_refuse(route: str, body: Any, target: Target) -> str | None:
             if isinstance(sp, dict):
                 if any(k in UNKNOWN_KEYS and k not in SAMPLING_KEYS for k in sp):
                     return "an unknown sampling parameter"
-                why = _sampling_refusal(sp, target, "max_new_tokens", "min_new_tokens")
+                why = _sampling_refusal(sp, target, "max_new_tokens", "min_new_tokens") or _schemas_refusal(sp, ("json_schema",))
                 if why:
                     return why
         return None
     if body.get("cache_salt") == "":
         return "an empty cache_salt"
-    chat_max = route.endswith("chat/completions") and body.get("max_completion_tokens") is not None
-    max_key = "max_completion_tokens" if chat_max else "max_tokens"
-    return _sampling_refusal(body, target, max_key, "min_tokens")
+    chat = route.endswith("chat/completions")
+    max_key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    return (_sampling_refusal(body, target, max_key, "min_tokens") or _response_format_refusal(body)
+            or _schemas_refusal(body, ("json_schema", "guided_json")) or (_tools_refusal(body) if chat else None))
+
+
+# A JSON schema for output (docs/server.md, "/generate"): at most 64 levels of objects and arrays;
+# no `not`, no `$ref` but a local one, no `allOf` of several schemas (the grammar cannot enforce
+# them). Only the places the fuzzer puts these are walked, so a keyword found is one the server
+# must have seen.
+MAX_SCHEMA_DEPTH = 64
+_SCHEMA_ONE, _SCHEMA_MAP = ("items", "additionalProperties"), ("properties", "$defs")
+_TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+
+
+def schema_refusal(schema: Any) -> str | None:
+    """Why the documented rules refuse this schema, or None."""
+    if json_depth(schema) > MAX_SCHEMA_DEPTH:
+        return f"a schema nested more than {MAX_SCHEMA_DEPTH} levels"
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        if "not" in node:
+            return "a schema with `not`"
+        ref = node.get("$ref")
+        if ref is not None and not (isinstance(ref, str) and (ref == "#" or ref.startswith("#/"))):
+            return f"a schema with a `$ref` that is not local ({ref!r:.60})"
+        if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+            return "a schema with an `allOf` of several schemas"
+        stack += [node[k] for k in _SCHEMA_ONE if k in node]
+        stack += node["anyOf"] if isinstance(node.get("anyOf"), list) else []
+        stack += [sub for k in _SCHEMA_MAP if isinstance(node.get(k), dict) for sub in node[k].values()]
+    return None
+
+
+def _schemas_refusal(holder: dict[str, Any], keys: Sequence[str]) -> str | None:
+    """A schema given under one of `keys` (an object, or its JSON text) that the rules refuse."""
+    for key in keys:
+        value = holder.get(key)
+        if isinstance(value, str):
+            value = json_or_none(value.encode("utf-8", "surrogatepass"))
+        if isinstance(value, (dict, bool)):
+            why = schema_refusal(value)
+            if why:
+                return f"{why} in `{key}`"
+    return None
+
+
+def _response_format_refusal(body: dict[str, Any]) -> str | None:
+    fmt = body.get("response_format")
+    spec = fmt.get("json_schema") if isinstance(fmt, dict) and fmt.get("type") == "json_schema" else None
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    why = schema_refusal(schema) if isinstance(schema, (dict, bool)) else None
+    return f"{why} in `response_format`" if why else None
+
+
+def _tools_refusal(body: dict[str, Any]) -> str | None:
+    """Chat tools (docs/compatibility.md, "Tool calling"): a list of at most 128 function tools
+    with names of 1-64 letters, digits, `_` or `-`, each once, a string description, parameters
+    an object at most 64 levels deep, a boolean `strict`; a `tool_choice` of "none", "auto",
+    "required" or a function of the list by name (only "none" and "auto" without tools); and
+    the schemas a required or named choice compiles as a schema's rules say."""
+    for key in ("functions", "function_call"):
+        if body.get(key) is not None:
+            return f"`{key}`, the deprecated function calling"
+    if body.get("parallel_tool_calls") is not None and type(body["parallel_tool_calls"]) is not bool:
+        return "a parallel_tool_calls that is not a boolean"
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools is None or tools == []:
+        return None if choice in (None, "none", "auto") else "a tool_choice without tools"
+    if not isinstance(tools, list) or len(tools) > 128:
+        return "tools that are not a list of at most 128"
+    functions = []
+    for tool in tools:
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or tool.get("type") != "function":
+            return "a tool that is not {\"type\": \"function\", \"function\": {...}}"
+        name, params = fn.get("name"), fn.get("parameters")
+        if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
+            return f"a tool name {name!r:.40} out of the rules"
+        if fn.get("description") is not None and not isinstance(fn["description"], str):
+            return "a tool description that is not a string"
+        if params is not None and (not isinstance(params, dict) or json_depth(params) > MAX_SCHEMA_DEPTH):
+            return "tool parameters that are no object, or nested too deep"
+        if fn.get("strict") is not None and type(fn["strict"]) is not bool:
+            return "a tool's strict that is not a boolean"
+        functions.append(fn)
+    names = [fn["name"] for fn in functions]
+    if len(set(names)) < len(names):
+        return "two tools of one name"
+    if choice in (None, "none", "auto"):
+        return None
+    forced = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    if choice != "required" and not (isinstance(forced, dict) and forced.get("name") in names):
+        return f"a tool_choice {json.dumps(choice)[:60]} out of the rules"
+    for fn in functions:
+        if choice == "required" or fn["name"] == forced.get("name"):
+            why = schema_refusal(fn.get("parameters") or {})
+            if why:
+                return f"{why} in a tool a tool_choice forces"
+    return None
+
+
+def _pin_refusal(route: str, body: dict[str, Any], target: Target) -> str | None:
+    """/cache/pin and /cache/unpin (docs/server.md): known fields only; exactly one of `text` and
+    `input_ids` (on unpin, or a `pin_id` alone, an integer); `tier` "memory" or "disk" (this
+    with a disk tier only); `ttl` a finite number > 0."""
+    known = ("text", "input_ids", "cache_salt") + (("tier", "ttl") if route == "/cache/pin" else ("pin_id",))
+    unknown = [k for k in body if k not in known]
+    if unknown:
+        return f"an unknown field {unknown[0]!r:.40}"
+    if "pin_id" in body:
+        if len(body) > 1:
+            return "a pin_id with a prefix"
+        return None if type(body["pin_id"]) is int else "a pin_id that is not an integer"
+    if (body.get("text") is None) == (body.get("input_ids") is None):
+        return "not exactly one of text and input_ids"
+    if route == "/cache/pin":
+        tier, ttl = body.get("tier", "memory"), body.get("ttl")
+        if tier not in ("memory", "disk") or (tier == "disk" and not target.disk_tier):
+            return f"a tier {tier!r:.40} this server does not have"
+        if ttl is not None and ((_as_float(ttl) or 0) <= 0):
+            return f"a ttl {ttl!r:.40} that is not a finite number > 0"
+    return None
+
+
+# What a foreign web page can make a browser send is refused before any route runs
+# (docs/server.md, "Browsers"): a Host that does not name the server 421, then a foreign Origin
+# 403; then a route answers a method it does not take 405, and a JSON route a body not declared
+# `application/json` 415 (after the 413 of a body over the limit).
+POST_ONLY = frozenset({*GENERATING, "/abort_request", "/flush_cache", "/reset_prefix_cache", *PIN_ROUTES})
+JSON_ROUTES = frozenset({*GENERATING, "/abort_request", *PIN_ROUTES})
+
+
+def must_refuse_request(req: FuzzRequest, target: Target) -> tuple[int, str] | None:
+    """The status the browser and method rules give this request whatever its body, and why; or
+    None. A name is foreign when it is under .example (RFC 2606: no server of a plan's has one),
+    an Origin also when it is "null" or not http(s)."""
+    headers = {k.lower(): v for k, v in req.headers.items()}
+    host = headers.get("host")
+    if target.browser_rules and host is not None and _foreign_name(host.rsplit(":", 1)[0]):
+        return 421, f"a foreign Host {host!r}"
+    origin = headers.get("origin")
+    if target.browser_rules and origin is not None:
+        parts = urlsplit(origin)
+        if parts.scheme not in ("http", "https") or not parts.hostname or _foreign_name(parts.hostname):
+            return 403, f"a foreign Origin {origin!r}"
+    path = urlsplit(req.path).path
+    if path in POST_ONLY and req.method != "POST":
+        return 405, f"{req.method} on {path}, a POST route"
+    declared = req.content_type if req.body is not None else None
+    media = (declared or "").split(";", 1)[0].strip().lower()
+    if path in JSON_ROUTES and media != "application/json" and len(req.payload()) <= target.max_body_bytes:
+        return 415, f"a body declared {declared!r}, not JSON"
+    return None
+
+
+def _foreign_name(name: str) -> bool:
+    name = name.strip().lower().rstrip(".")
+    return name == "example" or name.endswith(".example")
 
 
 def _empty(value: Any) -> bool:
@@ -129,10 +302,11 @@ def _empty(value: Any) -> bool:
 def _sampling_refusal(sp: dict[str, Any], target: Target, max_key: str, min_key: str) -> str | None:
     given = {k: v for k, v in sp.items() if v is not None}
 
-    def bad_int(key: str, low: int, high: int) -> bool:
+    def bad_int(key: str, low: int, high: float) -> bool:
         return key in given and (type(given[key]) is not int or not low <= given[key] <= high)
 
-    if bad_int(max_key, 0, 16384) or bad_int("n", 1, 16) or bad_int("seed", 0, 2**63 - 1) or bad_int("top_k", -1, 2**200):
+    # top_k has no upper bound: one at or past the vocabulary is "off", however many digits it has
+    if bad_int(max_key, 0, 16384) or bad_int("n", 1, 16) or bad_int("seed", 0, 2**63 - 1) or bad_int("top_k", -1, math.inf):
         return "a count out of range or not an integer"
     if bad_int(min_key, 0, given.get(max_key, 0) if type(given.get(max_key, 0)) is int else 0):
         return f"{min_key} out of range"
@@ -218,8 +392,9 @@ def results_of(req: FuzzRequest, ans: Answer) -> dict[int, dict[str, Any]]:
 
 
 def check_rules(req: FuzzRequest, ans: Answer, outcome: Outcome, target: Target) -> None:
-    """A generating route's answer against the documented rules: a body that breaks one is
-    refused; an OpenAI error names a field the client sent; a 2xx has the results asked for."""
+    """A generating or pin route's answer against the documented rules: a body that breaks one
+    is refused; an OpenAI error names a field the client sent; a 2xx of a generating route has
+    the results asked for."""
     body = json_or_none(req.payload()) if req.body is not None else None
     if ans.status is None or body is None:
         return
@@ -227,8 +402,9 @@ def check_rules(req: FuzzRequest, ans: Answer, outcome: Outcome, target: Target)
         why = must_refuse(req.route, body, target)
         if why is not None:
             outcome.problems.append(("accepted-invalid", f"answered {ans.status} to a body with {why}"))
-        check_results(req, ans, outcome)
-    elif req.route != "/generate" and isinstance(body, dict):
+        if req.route in GENERATING:
+            check_results(req, ans, outcome)
+    elif req.route in GENERATING[1:] and isinstance(body, dict):
         param = error_field(ans.body, "param")
         internal = _INTERNAL_PARAMS | ({"prompt"} if req.route.endswith("chat/completions") else set())
         if param in internal and param not in body:

@@ -3,6 +3,7 @@ request dealt in fixed proportions, the same for the same seed."""
 
 from __future__ import annotations
 
+import copy
 import random
 from typing import Any
 from urllib.parse import quote
@@ -12,18 +13,28 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
 from bench.robustness.fuzz.bodies import (
+    PIN_EDITS,
+    PIN_TEXTS,
+    UNPIN_EDITS,
     cap_tokens,
     chat_body,
     completion_body,
     generate_body,
     mutate,
+    pin_body,
+    tools_body,
+    unpin_body,
 )
 from bench.robustness.fuzz.encoding import Pad, Raw, encode
 from bench.robustness.fuzz.request import GENERATING, FuzzRequest, Target
+from bench.robustness.fuzz.schemas import SCHEMA_KINDS, TOOL_CHOICES, TOOL_EDITS, constrain
 from bench.robustness.fuzz.values import (
     CHAT_KEYS,
     COMPLETION_KEYS,
+    FOREIGN_HOSTS,
+    FOREIGN_ORIGINS,
     GENERATE_KEYS,
+    ODD_CONTENT_TYPES,
     RID_FAMILY,
     hostile,
     one_in,
@@ -40,21 +51,34 @@ ODD_PATHS = ("/web/", "/generate/", "/v1/chat/completions/", "/v2/generate", "/v
 # how the clients behave, in these proportions (see FuzzRequest); all but plain ones send to a
 # generating route
 MODES = {"plain": 860, "leave-stream": 60, "leave": 40, "slow": 15, "chunked": 15, "big": 10}
-# what plain clients send, in these proportions
+# what plain clients send, in these proportions; the last five (about a sixth of plain requests)
+# are hostile tools, tool choices, schemas and regexes, pins, and requests a browser rule must
+# refuse
 KINDS = {"/generate": 300, "/v1/completions": 200, "/v1/chat/completions": 200, "admin": 100, "abort": 75,
-         "flush": 30, "model-card": 30, "wrong-method": 30, "unknown-route": 35}
+         "flush": 30, "model-card": 30, "wrong-method": 30, "unknown-route": 35,
+         "tools": 30, "tool_choice": 25, "schema": 50, "pin": 50, "cross-origin": 40}
+CROSS_ORIGIN_SHAPES = {"foreign-origin": 35, "foreign-host": 20, "content-type": 30, "get-state-changing": 15}
+# the shapes of those five, dealt in these proportions too: each shape is in every plan large
+# enough, however hypothesis leans (pins: 55% /cache/pin, 35% /cache/unpin, 10% /cache/pins)
+SHAPES = {
+    "tools": TOOL_EDITS, "tool_choice": TOOL_CHOICES, "schema": SCHEMA_KINDS, "cross-origin": CROSS_ORIGIN_SHAPES,
+    "pin": {**{f"pin-{k}": 11 * w for k, w in PIN_EDITS.items()}, **{f"unpin-{k}": 7 * w for k, w in UNPIN_EDITS.items()},
+            "list": 200},
+}
 # a generating route's valid bodies, and the keys its edits pick from
 MAKERS = {"/generate": (generate_body, GENERATE_KEYS), "/v1/completions": (completion_body, COMPLETION_KEYS),
           "/v1/chat/completions": (chat_body, CHAT_KEYS)}
 
 
 @st.composite
-def fuzz_requests(draw: Any, target: Target, mode: str = "plain", kind: str = "/generate") -> FuzzRequest:
+def fuzz_requests(draw: Any, target: Target, mode: str = "plain", kind: str = "/generate",
+                  shape: str | None = None) -> FuzzRequest:
     """One request of the plan of a `kind` (a generating route, or one of the others' kinds) whose
     client behaves as `mode` says; for a generating route, a body valid, then maybe mutated, or
-    junk. Tags name the hostile shapes it carries, for the figures and for the CI test's check
+    junk; for a kind of `SHAPES`, a request of that `shape`. Tags name the hostile shapes it
+    carries (and the kind of `SHAPES` it is of), for the figures and for the CI test's check
     that a plan covers them."""
-    tags: list[str] = []
+    tags: list[str] = [kind] if kind in SHAPES else []
     cap = target.leaver_tokens if mode.startswith("leave") else target.max_new_tokens
     if kind in GENERATING:
         path = kind
@@ -68,8 +92,19 @@ def fuzz_requests(draw: Any, target: Target, mode: str = "plain", kind: str = "/
         leaves = mode == "leave" or (mode == "leave-stream" and streams)  # a client that stays reads it all
         cap_tokens(body, target, cap if leaves else target.max_new_tokens, path)
         req = FuzzRequest("POST", path, path, body)
+    elif kind in ("tools", "tool_choice", "schema"):  # hostile as drawn: not mutated further
+        path = "/v1/chat/completions" if kind != "schema" else draw(st.sampled_from(GENERATING))
+        if kind == "tools":
+            body = tools_body(draw, target, tags, cap, shape, weighted(draw, TOOL_CHOICES))
+        elif kind == "tool_choice":
+            body = tools_body(draw, target, tags, cap, "valid", shape)
+        else:
+            body = MAKERS[path][0](draw, target, tags, cap)
+            constrain(draw, path, body, tags, shape)
+        cap_tokens(body, target, target.max_new_tokens, path)
+        req = FuzzRequest("POST", path, path, body)
     else:
-        req = _other_request(draw, target, tags, kind)
+        req = _other_request(draw, target, tags, kind, shape)
     req.mode = mode
     req.ascii_only = not one_in(draw, 4)
     if not req.ascii_only:
@@ -85,8 +120,8 @@ def fuzz_requests(draw: Any, target: Target, mode: str = "plain", kind: str = "/
         size = draw(st.sampled_from((limit - 1, limit, limit + 1, 2 * limit)))
         _add_pad(draw, target, req, size, tags)
     if one_in(draw, 20):
-        types = ("text/plain", "application/x-www-form-urlencoded", "", "application/json; charset=latin-1")
-        req.headers["Content-Type"] = draw(st.sampled_from(types))
+        req.content_type = draw(st.sampled_from((*ODD_CONTENT_TYPES, "application/json; charset=latin-1")))
+        tags.append("odd-content-type")
     if one_in(draw, 50):
         req.headers["Authorization"] = draw(st.sampled_from(("Bearer x", "Bearer", "Basic Zm9v", "")))
     tags.append(f"mode-{mode}")
@@ -109,7 +144,7 @@ def _junk_body(draw: Any, tags: list[str]) -> Any:
     ))
 
 
-def _other_request(draw: Any, target: Target, tags: list[str], kind: str) -> FuzzRequest:
+def _other_request(draw: Any, target: Target, tags: list[str], kind: str, shape: str | None) -> FuzzRequest:
     if kind == "admin":
         path = draw(st.sampled_from(ADMIN_GETS))
         req = FuzzRequest("GET", path, path)
@@ -141,8 +176,56 @@ def _other_request(draw: Any, target: Target, tags: list[str], kind: str) -> Fuz
         if method in right or path == "/flush_cache" and method == "POST":
             method = "PUT"
         return FuzzRequest(method, path, "(wrong method)", draw(st.one_of(st.none(), hostile())))
+    if kind == "pin":
+        if shape == "list":
+            return FuzzRequest("GET", "/cache/pins", "/cache/pins")
+        route, _, edit = shape.partition("-")
+        make = pin_body if route == "pin" else unpin_body
+        return FuzzRequest("POST", f"/cache/{route}", f"/cache/{route}", make(draw, target, tags, edit))
+    if kind == "cross-origin":
+        return _cross_origin_request(draw, tags, shape)
     tags.append("unknown-route")
     return FuzzRequest(draw(st.sampled_from(("GET", "POST"))), draw(st.sampled_from(ODD_PATHS)), "(unknown)")
+
+
+# a cheap valid request for each route a foreign page would aim at: what must not run
+BROWSER_TARGETS = {
+    "/generate": {"text": "Hello", "sampling_params": {"max_new_tokens": 1}},
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 1},
+    "/abort_request": {"abort_all": True},
+    "/flush_cache": None,
+    "/reset_prefix_cache": None,
+    "/cache/pin": {"text": PIN_TEXTS[0]},
+    "/cache/unpin": {"pin_id": 1},
+    "/server_info": None,
+}
+
+
+def _cross_origin_request(draw: Any, tags: list[str], shape: str) -> FuzzRequest:
+    """What a foreign web page can make a browser send: a request with its foreign Origin (often
+    a `text/plain` body, which needs no preflight), one of a DNS-rebinding page (a foreign Host),
+    a JSON route's body not declared JSON, or a GET on a route that changes state (an image
+    tag). Each must be refused with its 4xx (`oracle.must_refuse_request`), never run."""
+    if shape != "content-type":  # tagged by the type below
+        tags.append(shape)
+    if shape == "get-state-changing":
+        path = draw(st.sampled_from(sorted(p for p in BROWSER_TARGETS if p != "/server_info")))
+        query = draw(st.sampled_from(("", "?abort_all=true", "?text=hi")))
+        return FuzzRequest(draw(st.sampled_from(("GET", "HEAD"))), path + query, "(wrong method)")
+    paths = [p for p, body in BROWSER_TARGETS.items() if body is not None or shape != "content-type"]
+    path = draw(st.sampled_from(paths))
+    body = copy.deepcopy(BROWSER_TARGETS[path])
+    req = FuzzRequest("GET" if path == "/server_info" else "POST", path, path, body)
+    if body is not None and (shape == "content-type" or one_in(draw, 2)):
+        req.content_type = None if one_in(draw, 3) else draw(st.sampled_from(ODD_CONTENT_TYPES))
+        tags.append("no-content-type" if req.content_type is None else "odd-content-type")
+    if shape == "foreign-origin":
+        req.headers["Origin"] = draw(st.sampled_from(FOREIGN_ORIGINS))
+    elif shape == "foreign-host":
+        req.headers["Host"] = host = draw(st.sampled_from(FOREIGN_HOSTS))
+        if draw(st.booleans()):  # a rebinding page is same-origin with its own name
+            req.headers["Origin"] = f"http://{host}"
+    return req
 
 
 def _junk_body_bytes() -> st.SearchStrategy[bytes]:
@@ -177,13 +260,14 @@ def draw_plan(target: Target, count: int, seed: int = 0) -> list[FuzzRequest]:
     """`count` requests drawn by hypothesis from `fuzz_requests`, the same ones for the same
     seed, hypothesis version and program (`python -m bench.robustness.fuzz` always draws the same plan;
     another process that has imported other modules may draw another one). Clients' modes and plain clients' kinds of request are dealt
-    in the proportions of `MODES` and `KINDS` (at least one of each in a plan of 100 or more) and
-    shuffled: hypothesis leans towards some choices, which would leave the rare ones out."""
+    in the proportions of `MODES` and `KINDS` (at least one of each in a plan of 100 or more), the
+    hostile classes' shapes in those of `SHAPES`, and shuffled: hypothesis leans towards some choices, which would leave the rare ones out."""
     plan = []
     for mode, n in _deal(count, MODES).items():
         kinds = _deal(n, KINDS) if mode == "plain" else _deal(n, dict.fromkeys(GENERATING, 1))
         for kind, k in kinds.items():
-            plan += _draw(fuzz_requests(target, mode, kind), k, seed)
+            for shape, j in (_deal(k, SHAPES[kind]) if kind in SHAPES else {None: k}).items():
+                plan += _draw(fuzz_requests(target, mode, kind, shape), j, seed)
     rng = random.Random(seed)
     rng.shuffle(plan)
     _race_rids(plan, rng)

@@ -22,6 +22,10 @@ class Target:
     max_body_bytes: int
     max_new_tokens: int = 4  # valid requests ask for at most this many tokens
     leaver_tokens: int = 64  # ... and clients that leave before the end for at most this many
+    # the browser rules hold for the plan's foreign names (*.example): no --allowed-origins or
+    # --allowed-hosts, not bound to every interface (docs/server.md, "Browsers")
+    browser_rules: bool = True
+    disk_tier: bool = False  # --kv-disk-dir given: pins may take tier "disk"
 
     @classmethod
     def from_server(cls, url: str, **caps: int) -> Target:
@@ -29,10 +33,13 @@ class Target:
 
     @classmethod
     def from_info(cls, info: dict[str, Any], **caps: int) -> Target:
-        model = info["model"]
+        model, options = info["model"], info["options"]
+        wildcard = options["host"] in ("", "0.0.0.0", "::", "[::]")
         return cls(
             model_name=model["name"], vocab_size=model["vocab_size"], context_len=model["context_len"],
-            max_body_bytes=info["options"]["max_body_bytes"], **caps,
+            max_body_bytes=options["max_body_bytes"],
+            browser_rules=not options["allowed_origins"] and not options["allowed_hosts"] and not wildcard,
+            disk_tier=options["kv_disk_dir"] is not None, **caps,
         )
 
 
@@ -53,6 +60,7 @@ class FuzzRequest:
     mode: str = "plain"
     leave_after: int = 0
     pieces: int = 1
+    content_type: str | None = "application/json"  # sent with a body (None: no Content-Type header)
     headers: dict[str, str] = field(default_factory=dict)
     tags: tuple[str, ...] = ()
     _payload: bytes | None = field(default=None, init=False, repr=False, compare=False)
@@ -77,5 +85,5 @@ class FuzzRequest:
         if len(text) > limit:
             text = f"{text[: limit // 2]}...<{len(text) - limit} characters>...{text[-limit // 2 :]}"
         return {"method": self.method, "path": self.path, "mode": self.mode, "leave_after": self.leave_after,
-                "pieces": self.pieces, "headers": self.headers, "body_bytes": len(raw), "body": text,
+                "pieces": self.pieces, "content_type": self.content_type, "headers": self.headers, "body_bytes": len(raw), "body": text,
                 "tags": list(self.tags)}

@@ -1,5 +1,5 @@
 """A run: a plan sent by concurrent clients, every answer judged, the engine watched, the page
-accounting checked once idle; the figures as a `Report`."""
+accounting checked once idle, a plain stream timed beside it (`probe`); the figures as a `Report`."""
 
 from __future__ import annotations
 
@@ -16,14 +16,17 @@ import httpx
 
 from bench.robustness.fuzz.client import Answer, send
 from bench.robustness.fuzz.oracle import (
+    PIN_ROUTES,
     Outcome,
     check_rules,
     error_code,
     error_message,
     json_or_none,
     judge,
+    must_refuse_request,
     unexplained_aborts,
 )
+from bench.robustness.fuzz.probe import StreamProbe, probe_figures, worst_gap
 from bench.robustness.fuzz.request import GENERATING, FuzzRequest, Target
 
 # a prompt at the edge of the context (8k tokens for the default model) takes a loaded 2-core
@@ -49,6 +52,7 @@ class Report:
     health_failures: int = 0
     engine_restarts: int = 0
     after: dict[str, Any] = field(default_factory=dict)
+    probe: dict[str, Any] = field(default_factory=dict)  # the plain stream's gaps, idle and during the run
     failures: list[dict[str, Any]] = field(default_factory=list)  # the first few, with their requests
 
     @property
@@ -71,18 +75,30 @@ class Report:
 
 
 async def run_plan(url: str, plan: Sequence[FuzzRequest], *, concurrency: int = 8, timeout: float = 60.0,
-                   check_every: float = 5.0, idle_timeout: float = 120.0,
+                   check_every: float = 5.0, idle_timeout: float = 120.0, probe: bool = True,
                    progress: Callable[[int, Report], None] | None = None) -> Report:
     """Send `plan` with `concurrency` clients, checking each answer, the engine's health and
     pids every `check_every` seconds, and the page accounting once idle at the end. A dead
-    engine ends the run early, naming the requests in flight then (and the last ones before)."""
+    engine ends the run early, naming the requests in flight then (and the last ones before).
+    With `probe`, a plain stream is timed on the idle server first, then beside the plan."""
     info = await _get_json(url, "/server_info")
+    stream_probe = StreamProbe(url, timeout=timeout) if probe else None
+    if stream_probe is not None:
+        await asyncio.to_thread(stream_probe.measure_idle)
     no_keepalive = httpx.Limits(max_connections=4 * concurrency, max_keepalive_connections=0)  # no reuse races
     async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=no_keepalive) as client:
         run = _Run(client, plan, Target.from_info(info), info["pids"], timeout)
         begin = time.monotonic()
-        await run.send_all(concurrency, check_every, progress)
+        if stream_probe is not None:
+            stream_probe.start_during()
+        try:
+            await run.send_all(concurrency, check_every, progress)
+        finally:
+            if stream_probe is not None:
+                await asyncio.to_thread(stream_probe.finish)
         await run.finish(idle_timeout)
+    if stream_probe is not None:
+        run.add_probe(stream_probe)
     run.report.duration_s = round(time.monotonic() - begin, 1)
     return run.report
 
@@ -97,6 +113,7 @@ class _Run:
         self.outcomes: list[Outcome] = []
         self.in_flight: dict[int, FuzzRequest] = {}
         self.recent: deque[int] = deque(maxlen=20)  # the last requests answered
+        self.pinned: set[int] = set()  # pins the plan made: unpinned before the pages are counted
 
     async def send_all(self, concurrency: int, check_every: float, progress: Callable[[int, Report], None] | None) -> None:
         indexes = iter(range(len(self.plan)))
@@ -126,9 +143,30 @@ class _Run:
             detail = f"sequences {o.aborted} ended in abort with no abort call for them"
             report.add_failure("unexplained-abort", detail, self.plan[o.index])
         await self.check_health()
-        report.after = await _after(self.client, idle_timeout)
+        report.after = await _after(self.client, idle_timeout, self.pinned)
         if not report.after["balanced"]:
             report.add_failure("pages", json.dumps(report.after))
+
+    def add_probe(self, probe: StreamProbe) -> None:
+        """The probe's figures, with the plan's requests in flight across its worst gap during
+        the run (what held the stream up). A stream of it that failed is a problem like any
+        request's, and so is one aborted with no `abort_all` of the plan running meanwhile."""
+        self.report.probe = probe_figures(probe.streams["idle"], probe.streams["during"])
+        window = worst_gap(probe.streams["during"])
+        if window is not None:
+            overlapping = [o for o in self.outcomes if o.start < window[1] and o.end > window[0]]
+            self.report.probe["during"]["worst_gap_in_flight"] = [
+                {"route": o.route, "status": o.status, "body_bytes": len(self.plan[o.index].payload()),
+                 "tags": list(self.plan[o.index].tags)} for o in overlapping
+            ]
+        abort_alls = [o for o in self.outcomes if o.abort_call is not None and o.abort_call[1]]
+        for phase, streams in probe.streams.items():
+            for times in streams:
+                if times.end.startswith("failed"):
+                    self.report.add_failure("probe", f"{phase}: {times.end}")
+                start, end = times.span
+                if times.end == "aborted" and not any(c.start <= end and c.end >= start for c in abort_alls):
+                    self.report.add_failure("unexplained-abort", f"a probe stream ({phase}) ended in abort with no abort_all meanwhile")
 
     async def _one(self, i: int) -> Outcome:
         req, report = self.plan[i], self.report
@@ -161,8 +199,15 @@ class _Run:
         if ans.status is not None:
             report.by_status[str(ans.status)] += 1
             report.status_classes[f"{ans.status // 100}xx"] += 1
-            if req.route in GENERATING:
+            refusal = must_refuse_request(req, self.target)
+            if refusal is not None and not ans.left and ans.status != refusal[0]:
+                outcome.problems.append(("not-refused", f"answered {ans.status}; the rules say {refusal[0]}: {refusal[1]}"))
+            if req.route in GENERATING or req.route in PIN_ROUTES:
                 check_rules(req, ans, outcome, self.target)
+            if ans.status == 200 and req.route == "/cache/pin":
+                answer = json_or_none(ans.body)
+                if isinstance(answer, dict) and type(answer.get("pin_id")) is int:
+                    self.pinned.add(answer["pin_id"])
             if ans.status == 200 and req.route == "/abort_request":
                 body = json_or_none(req.payload())
                 if isinstance(body, dict):
@@ -221,21 +266,36 @@ async def _get_json(url: str, path: str) -> Any:
         return (await client.get(path)).raise_for_status().json()
 
 
-async def _after(client: httpx.AsyncClient, idle_timeout: float) -> dict[str, Any]:
-    """Once nothing runs or waits: every page free or cached, none held."""
+async def _after(client: httpx.AsyncClient, idle_timeout: float, pinned: set[int]) -> dict[str, Any]:
+    """Once nothing runs or waits, and the pins of the plan still held (`pins_left`) are
+    unpinned: every page free or cached, none held."""
     deadline = time.monotonic() + idle_timeout
-    while True:
-        try:
+    pins_left = 0
+    try:
+        while True:
             info = (await client.get("/server_info")).json()
-        except (httpx.HTTPError, ValueError) as exc:
-            return {"idle": False, "error": f"{type(exc).__name__}: {exc}", "balanced": False}
-        idle = info["requests"] == {"running": 0, "waiting": 0}
-        if idle or info["requests"] is None or time.monotonic() > deadline:
-            break
-        await asyncio.sleep(0.5)
+            idle = info["requests"] == {"running": 0, "waiting": 0}
+            if idle or info["requests"] is None or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.5)
+        if idle and pinned:
+            pins_left = await _unpin(client, pinned)
+            info = (await client.get("/server_info")).json()
+    except (httpx.HTTPError, ValueError) as exc:
+        return {"idle": False, "error": f"{type(exc).__name__}: {exc}", "balanced": False}
     pages = info["pages"]
     balanced = idle and pages["in_use"] == 0 and pages["free"] + pages["evictable"] + pages["in_use"] == pages["total"]
-    return {"idle": idle, "pages": pages, "requests": info["requests"], "balanced": balanced}
+    return {"idle": idle, "pages": pages, "requests": info["requests"], "pins_left": pins_left, "balanced": balanced}
+
+
+async def _unpin(client: httpx.AsyncClient, pinned: set[int]) -> int:
+    """Unpin the pins of `pinned` still listed (a pin's pages are held on purpose, and the run
+    leaves the server as it found it); how many there were."""
+    listed = (await client.get("/cache/pins")).raise_for_status().json()["pins"]
+    held = [p["pin_id"] for p in listed if p["pin_id"] in pinned]
+    for pin_id in held:
+        await client.post("/cache/unpin", json={"pin_id": pin_id})
+    return len(held)
 
 
 def print_report(report: Report, file: Any = sys.stdout) -> None:
@@ -247,5 +307,15 @@ def print_report(report: Report, file: Any = sys.stdout) -> None:
     print(f"  hangs: {report.hangs}, engine dead: {report.engine_dead}, health failures: {report.health_failures}, "
           f"engine restarts: {report.engine_restarts}", file=file)
     print(f"  after: {json.dumps(report.after)}", file=file)
+    if report.probe:
+        idle, during = report.probe["idle"], report.probe["during"]
+        print(f"  probe: worst gap idle {idle['worst_gap_ms']} ms, during the run {during['worst_gap_ms']} ms: "
+              f"{report.probe['worst_gap_ratio']}x", file=file)
+        for phase in ("idle", "during"):
+            figures = {k: v for k, v in report.probe[phase].items() if k != "worst_gap_in_flight"}
+            print(f"    {phase}: {json.dumps(figures)}", file=file)
+        for o in report.probe["during"].get("worst_gap_in_flight", []):
+            print(f"    in flight across the worst gap: {o['route']} {o['status']} {o['body_bytes']} bytes "
+                  f"{' '.join(o['tags'])}", file=file)
     for failure in report.failures[:10]:
         print(f"  FAILURE {json.dumps(failure)[:1500]}", file=file)

@@ -144,3 +144,23 @@ def bad_max_tokens(target: Target) -> st.SearchStrategy[Any]:
         st.integers(max_value=-1), st.integers(min_value=16385), st.floats(),
         st.sampled_from(("4", "\u00b2", "--5", "NaN", "1e308", True, False, [], {}, [4], 4.0, Raw("4.0"))), number_texts(),
     )
+
+
+# Names no server of the plan's can have (.example is reserved, RFC 2606): what the oracle knows
+# to be foreign. Origins of a cross-site page, of a sandboxed frame ("null"), of a file, and of a
+# DNS-rebinding page (its Host names it too); Host headers of a rebinding page.
+FOREIGN_ORIGINS = ("http://evil.example", "https://evil.example:443", "null", "file://", "http://127.0.0.1.evil.example",
+                   "http://localhost.example:30000", "chrome-extension://abcdef", "http://rebind.example")
+FOREIGN_HOSTS = ("evil.example", "rebind.example", "rebind.example:30000", "127.0.0.1.evil.example", "localhost.example")
+# Content types a page may send without a CORS preflight, others no JSON route takes, and None: no
+# Content-Type header at all. "APPLICATION/JSON" and "application/json ;..." are JSON as the rule
+# reads them (the media type, trimmed, in any case).
+ODD_CONTENT_TYPES = ("text/plain", "text/plain;charset=UTF-8", "application/x-www-form-urlencoded",
+                  "multipart/form-data; boundary=x", "", "application/jsonx", "json", "application/json-patch+json",
+                  "APPLICATION/JSON", "application/json ; charset=utf-8", None)
+# Pins: ttl, tier and pin_id of every wrong kind (and a few edges that are valid)
+BAD_TTLS = (Raw("1" * 400), Raw("1e309"), Raw("-1e309"), -1, 0, Raw("-0.0"), "60", "1e3", True, False, [], {}, 10**400,
+            float("nan"), float("inf"), Raw("NaN"))
+EDGE_TTLS = (1e308, Raw("5e-324"), 2**63, 0.001)
+BAD_TIERS = ("disk", "Memory", "", None, 5, [], {"tier": "memory"}, "gpu", "memory ", "\u00b2")
+BAD_PIN_IDS = (Raw("1" * 400), Raw("9" * 4300), 10**400, 2**63, 2**64, -1, "1", 1.0, Raw("1.0"), True, None, [], {}, "\u00b2", Raw("1e309"))
