@@ -46,7 +46,7 @@ class ServerConfig:
     # per tenant of api_key_file (scheduler/pins.py): its share of that pin budget, and its pins
     # queued or computing at once (without tenants, every client together is one tenant)
     max_pinned_share_per_tenant: float = 0.5
-    max_pins_in_flight_per_tenant: int = 2
+    max_pins_in_flight_per_tenant: int = 4
     seed: int = 0  # for requests that bring no seed of their own
     debug_checks: bool = False  # cross-check page accounting after every step
     grammar_compile_timeout: float = 5.0  # CPU seconds a grammar's compile may use, then 400

@@ -301,7 +301,7 @@ def _refusal(r: httpx.Response) -> None:
 
 def test_a_flood_of_pins_neither_fills_the_queue_nor_holds_up_another_tenant(start_server, tiny_dir, tmp_path):
     """Pins count against --max-queued-requests, a tenant has at most
-    --max-pins-in-flight-per-tenant (2) of them queued or computing and at most
+    --max-pins-in-flight-per-tenant (here 2) of them queued or computing and at most
     --max-pinned-share-per-tenant (half) of the pin budget, and every refusal comes before any
     prefill: 40 pins at once from one tenant (over two keys) get 200/409/429 answers while
     another tenant's request completes promptly, and only the pins made were computed."""
@@ -309,7 +309,8 @@ def test_a_flood_of_pins_neither_fills_the_queue_nor_holds_up_another_tenant(sta
     keys.write_text(KEY_FILE)
     # pins may hold 2048 pages, one tenant 1024: three 1,200-token documents (300 pages each)
     server = start_server(tiny_dir, "--dtype", "float32", "--page-size", "4", "--kv-pages", "4096",
-                          "--chunk-size", "32", "--max-queued-requests", "4", "--api-key-file", str(keys))
+                          "--chunk-size", "32", "--max-queued-requests", "4", "--max-pins-in-flight-per-tenant", "2",
+                          "--api-key-file", str(keys))
     ops = _auth(KEY_OPS)
     before = metric_samples(httpx.get(server.url + "/metrics", headers=ops).text)["radixserve_prompt_tokens_total"]
     with ThreadPoolExecutor(41) as pool:
