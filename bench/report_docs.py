@@ -220,6 +220,25 @@ def render_head_of_line(results: Path) -> str:
     ])
 
 
+def render_serving_revisions(results: Path) -> str:
+    d = _load(results, "serving_revisions.json")
+    this, base, ratio = d["median"]["this"], d["median"]["against"], d["ratio"]
+    rows = [
+        [f"`{w}`", _n(base[w]["output_throughput"], 1), _n(this[w]["output_throughput"], 1),
+         f"{ratio[w]['output_throughput']:.2f}x", f"{ratio[w]['request_throughput']:.2f}x",
+         f"{ratio[w]['mean_ttft_ms']:.2f}x", f"{ratio[w]['mean_tpot_ms']:.2f}x"]
+        for w in d["workloads"]
+    ]
+    return "\n".join([
+        _source(["serving_revisions.json"], d["cpu"], d["date"]) + f" `{d['this']}`"
+        + (" with uncommitted changes" if d["this_uncommitted"] else "")
+        + f" against `{d['against']}`, medians of {d['rounds']} alternating rounds, the default model.",
+        "",
+        _table(["workload", f"out tok/s {d['against']}", f"out tok/s {d['this']}", "out tok/s ratio",
+                "req/s ratio", "mean TTFT ratio", "mean TPOT ratio"], "lrrrrrr", rows),
+    ])
+
+
 def render_fuzz(results: Path) -> str:
     d = _load(results, "fuzz.json")
     routes = [[f"`{k}`" if k.startswith("/") else k, _n(v)] for k, v in d["by_route"].items()]
@@ -339,6 +358,7 @@ BLOCKS: tuple[Block, ...] = (
     Block("speculative_serving", render_speculative_serving),
     Block("constrained", render_constrained),
     Block("head_of_line", render_head_of_line),
+    Block("serving_revisions", render_serving_revisions),
     Block("fuzz", render_fuzz),
     Block("soak", render_soak),
     Block("router", render_router),
