@@ -20,10 +20,18 @@ def json_type(value: Any) -> str:
     return _JSON_TYPES.get(type(value), type(value).__name__)
 
 
+# an error message names what was wrong; one that quotes a client's 4,000-digit number or a long
+# text whole would make the answer, and every log line of it, that long
+MAX_ERROR_CHARS = 500
+
+
 class InvalidRequest(ValueError):
-    """A client error; ``param`` names the offending field for OpenAI-shaped error bodies."""
+    """A client error; ``param`` names the offending field for OpenAI-shaped error bodies. A
+    message past `MAX_ERROR_CHARS` (one quoting a huge value) is cut, saying how long it was."""
 
     def __init__(self, message: str, param: str | None = None) -> None:
+        if len(message) > MAX_ERROR_CHARS:
+            message = f"{message[:MAX_ERROR_CHARS]}... (cut from {len(message)} characters)"
         super().__init__(message)
         self.message = message
         self.param = param

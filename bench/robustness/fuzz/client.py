@@ -64,7 +64,8 @@ async def _send_raw(url: Any, req: FuzzRequest) -> Answer:
     payload = req.payload()
     # Host names the port too (RFC 9110: without one it means port 80), as real clients send it
     head = [f"{req.method} {req.path} HTTP/1.1", f"Host: {url.netloc}", "Connection: close"]
-    head += [f"{k}: {v}" for k, v in {**_content_type(req), **req.headers}.items()]
+    sent = {**_content_type(req), **req.headers} if req.body is not None else req.headers  # as _send_httpx
+    head += [f"{k}: {v}" for k, v in sent.items()]
     pieces = [payload]
     if req.mode in ("slow", "chunked"):
         step = -(-len(payload) // req.pieces) or 1
