@@ -246,7 +246,7 @@ def render_fuzz(results: Path) -> str:
     pages = d.get("after", {}).get("pages", {})
     five = sum(v for k, v in d["by_status"].items() if k.startswith("5"))
     lines = [
-        _source(["fuzz.json"], None, None) + f" Model `{d['model']}`, seed {d['seed']}, {_n(d['requests'])} of "
+        _source(["fuzz.json"], d.get("cpu"), d.get("date")) + f" Model `{d['model']}`, seed {d['seed']}, {_n(d['requests'])} of "
         f"{_n(d['planned'])} planned requests in {d['duration_s']} s.",
         "",
         _table(["route", "requests"], "lr", routes),

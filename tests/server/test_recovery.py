@@ -114,6 +114,21 @@ def _wait_restarting(server: Server, timeout: float = 30.0) -> str:
     raise AssertionError("/health never said the engine was restarting")
 
 
+def _streams_through_a_kill(server: Server, bodies: list[dict[str, Any]], pid: int, victim: str) -> list[Stream]:
+    """Stream every body; once each has sent a few events, SIGKILL `pid` (the `victim` process)
+    and wait for every stream to end."""
+    streams = [Stream(server.url, b) for b in bodies]
+    deadline = time.monotonic() + 60
+    while not all(len(s.events) >= 3 for s in streams):
+        assert time.monotonic() < deadline, "the streams never got going"
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    assert victim in _wait_restarting(server)
+    for s in streams:
+        s.join(300)
+    return streams
+
+
 @pytest.mark.parametrize("victim", ["worker", "scheduler"])
 def test_a_killed_engine_resumes_every_stream_with_the_undisturbed_text(tiny_dir, tmp_path, victim):
     server = _start(tiny_dir, tmp_path, *OPTIONS)
@@ -125,16 +140,7 @@ def test_a_killed_engine_resumes_every_stream_with_the_undisturbed_text(tiny_dir
         assert expected[0]["meta_info"]["finish_reason"]["type"] == "stop"
         assert httpx.post(server.url + "/flush_cache", timeout=30).status_code == 200
         before = server.info()["pids"]
-
-        streams = [Stream(server.url, b) for b in bodies]
-        deadline = time.monotonic() + 60
-        while not all(len(s.events) >= 3 for s in streams):
-            assert time.monotonic() < deadline, "the streams never got going"
-            time.sleep(0.01)
-        os.kill(before[victim], signal.SIGKILL)
-        assert victim in _wait_restarting(server)
-        for s in streams:
-            s.join(300)
+        streams = _streams_through_a_kill(server, bodies, before[victim], victim)
 
         for s, want in zip(streams, expected, strict=True):
             assert s.status == 200 and s.done and "error" not in s.events[-1], s.events[-1]
@@ -188,17 +194,7 @@ def test_a_killed_worker_resumes_constrained_streams_with_the_undisturbed_text(t
         for want in expected:
             json.loads(want["text"])
             assert want["meta_info"]["finish_reason"]["type"] == "stop"
-        before = server.info()["pids"]
-
-        streams = [Stream(server.url, b) for b in bodies]
-        deadline = time.monotonic() + 60
-        while not all(len(s.events) >= 3 for s in streams):
-            assert time.monotonic() < deadline, "the streams never got going"
-            time.sleep(0.01)
-        os.kill(before["worker"], signal.SIGKILL)
-        assert "worker" in _wait_restarting(server)
-        for s in streams:
-            s.join(300)
+        streams = _streams_through_a_kill(server, bodies, server.info()["pids"]["worker"], "worker")
 
         for s, want in zip(streams, expected, strict=True):
             assert s.status == 200 and s.done and "error" not in s.events[-1], s.events[-1]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import json
 import sys
 import tempfile
@@ -13,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench.common import add_model, add_out, add_server_arg, launch_server, new_parser
+from bench.model_runner import machine
 from bench.robustness.fuzz import __doc__ as overview
 from bench.robustness.fuzz.plan import draw_plan
 from bench.robustness.fuzz.request import Target
@@ -37,7 +39,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
     def write(report: Report, partial: bool) -> None:
-        figures = {"url": args.url, "model": args.model, "seed": args.seed, "partial": partial, **report.to_json()}
+        figures = {"date": datetime.date.today().isoformat(), "cpu": machine(), "url": args.url, "model": args.model,
+                   "seed": args.seed, "partial": partial, **report.to_json()}
         args.out.write_text(json.dumps(figures, indent=1))
 
     with contextlib.ExitStack() as stack:
