@@ -1,8 +1,8 @@
 """The plain stream probe: one more client, beside the plan's, that streams an ordinary /generate
 request (`PROBE_BODY`: 64 new tokens, greedy, unconstrained) again and again and times the gaps
 between its chunks; first a few times on the idle server, then for as long as the plan runs.
-The issue's bar, that during a fuzz run a concurrent plain stream's worst token gap stays
-within 2x of an idle server's measured in the same run, is read off its figures
+The bar for a server under hostile load, that a concurrent plain stream's worst token gap
+stays within 2x of an idle server's measured in the same run, is read off its figures
 (`probe_figures`); they are a measurement, not part of the oracle's verdict.
 
 It runs in a process of its own: the plan's clients encode and parse megabyte bodies on their
