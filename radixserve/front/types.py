@@ -20,9 +20,14 @@ def json_type(value: Any) -> str:
     return _JSON_TYPES.get(type(value), type(value).__name__)
 
 
-# an error message names what was wrong; one that quotes a client's 4,000-digit number or a long
-# text whole would make the answer, and every log line of it, that long
-MAX_ERROR_CHARS = 500
+MAX_ERROR_CHARS = 500  # of a validation message, which may quote a client's value (`shown`)
+
+
+def shown(value: str, limit: int = 200) -> str:
+    """A client's value as an error message quotes it: whole when short, else its start and its
+    length. A message names what was wrong; echoing a 4,000-character path or a 4,000-digit id
+    back makes the answer, and every log line of it, that long."""
+    return value if len(value) <= limit else f"{value[:limit]}... (cut from {len(value)} characters)"
 
 
 class InvalidRequest(ValueError):
@@ -30,8 +35,7 @@ class InvalidRequest(ValueError):
     message past `MAX_ERROR_CHARS` (one quoting a huge value) is cut, saying how long it was."""
 
     def __init__(self, message: str, param: str | None = None) -> None:
-        if len(message) > MAX_ERROR_CHARS:
-            message = f"{message[:MAX_ERROR_CHARS]}... (cut from {len(message)} characters)"
+        message = shown(message, MAX_ERROR_CHARS)
         super().__init__(message)
         self.message = message
         self.param = param

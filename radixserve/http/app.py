@@ -35,8 +35,9 @@ from starlette.routing import Route
 from radixserve.config import ServerConfig
 from radixserve.front.manager import TokenizerManager
 from radixserve.front.recovery import BackendEvents
+from radixserve.front.types import shown
 from radixserve.http import cache_api, native, web_ui
-from radixserve.http.common import HTTPError, shown
+from radixserve.http.common import HTTPError
 from radixserve.http.middleware import (
     APIKeyMiddleware,
     DrainMiddleware,

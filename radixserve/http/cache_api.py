@@ -20,9 +20,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from radixserve.front.types import InvalidRequest
+from radixserve.front.types import InvalidRequest, shown
 from radixserve.front.validation.inputs import build_prefix, check_pin_options
-from radixserve.http.common import HTTPError, JSONResponse, handles_errors, read_json, shown
+from radixserve.http.common import HTTPError, JSONResponse, handles_errors, read_json
 from radixserve.http.state import ServerState
 from radixserve.http.tenants import SCOPE_KEY, namespace, salt_in
 from radixserve.protocol import PinInfo

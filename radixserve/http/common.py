@@ -58,13 +58,6 @@ class HTTPError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
-def shown(value: str, limit: int = 200) -> str:
-    """A client's value as an error message quotes it: whole when short, else its start and its
-    length. A message names what was wrong; echoing a 4,000-character path or a 4,000-digit id
-    back makes the answer, and every log line of it, that long."""
-    return value if len(value) <= limit else f"{value[:limit]}... ({len(value)} characters)"
-
-
 class ClientGone(Exception):
     """The client closed the connection (or the server closed it, see `connection.py`); the
     request was aborted and nobody reads an answer. Routine, so never logged as an error."""

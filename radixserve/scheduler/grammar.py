@@ -187,7 +187,9 @@ class CompileProcess:
 
 
 @dataclass(eq=False)
-class RunningCompile:
+class DispatchedCompile:
+    """A compile handed to the compile process, and when (its wall-time bound counts from then)."""
+
     job: CompileJob
     started: float  # monotonic, when the compile process got it
 
@@ -210,7 +212,7 @@ class GrammarCompiler:
         self._max_queued = max_queued
         self._jobs: OrderedDict[tuple[str, str], CompileJob] = OrderedDict()
         self._queue: list[CompileJob] = []  # waiting for a process; resumed requests' go first
-        self._running: dict[int, RunningCompile] = {}  # by order id; only the compile thread's
+        self._running: dict[int, DispatchedCompile] = {}  # by order id; only the compile thread's
         self._order_ids = itertools.count()
         self._lock = threading.Lock()  # guards _jobs, _queue and the jobs' waiters (loop and thread)
         self._wake_read, self._wake_write = os.pipe()  # a byte here: a job was queued, or shut down
@@ -345,7 +347,7 @@ class GrammarCompiler:
                 job.future.set_exception(GrammarError("the grammar compiler is not available (see the server's log)"))
                 continue
             order_id = next(self._order_ids)
-            self._running[order_id] = RunningCompile(job, time.monotonic())
+            self._running[order_id] = DispatchedCompile(job, time.monotonic())
             budget = self.timeout if job.timed else None
             self._process.send(CompileOrder(order_id, job.grammar.kind, job.grammar.text, budget))
 
