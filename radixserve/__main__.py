@@ -59,6 +59,9 @@ HELP = {
     "context_len": "cap on prompt + output tokens of one request (default: the model's limit)",
     "schedule_policy": "waiting-queue order: lpm (longest cached prefix first) or fcfs",
     "disable_radix_cache": "keep the paging but cache no prefixes (the benchmark baseline)",
+    "segment_recompute_ratio": "share of a request's reused segment tokens recomputed in context "
+    "(those whose KV deviates most), 0 to 1; a request's segment_recompute_ratio overrides it",
+    "disable_segment_cache": "serve a request's segments as an ordinary prompt: no segment cache, no blending",
     "kv_disk_dir": "a disk tier under the prefix cache: pages evicted from the KV pool are written "
     "here and read back for a later request with the same prefix, also after a restart "
     "(off by default; a directory it creates is made 0700, an existing one must already be private)",

@@ -39,6 +39,10 @@ class ServerConfig:
     context_len: int | None = None  # cap on prompt + output tokens; None: the model's limit
     schedule_policy: str = "lpm"
     disable_radix_cache: bool = False
+    # segments (docs/cache.md): a request's `segments` reuse cached KV wherever they sit, with
+    # this share of their tokens recomputed by default; disabled: segments are a plain prompt
+    segment_recompute_ratio: float = 0.15
+    disable_segment_cache: bool = False
     # the disk tier under the radix tree (cache/disk_index.py, worker/kv_disk.py): None = off
     kv_disk_dir: str | None = None
     kv_disk_gb: float = 16.0  # disk budget; least recently used pages go first
@@ -101,6 +105,8 @@ class ServerConfig:
             raise ValueError(f"kv_memory_gb must be > 0, got {self.kv_memory_gb}")
         if self.kv_disk_gb <= 0:
             raise ValueError(f"kv_disk_gb must be > 0, got {self.kv_disk_gb}")
+        if not 0 <= self.segment_recompute_ratio <= 1:
+            raise ValueError(f"segment_recompute_ratio must be in [0, 1], got {self.segment_recompute_ratio}")
         if not 0 <= self.max_pinned_fraction <= 1:
             raise ValueError(f"max_pinned_fraction must be in [0, 1], got {self.max_pinned_fraction}")
         if not 0 < self.max_pinned_share_per_tenant <= 1:

@@ -107,6 +107,11 @@ class TokenizedRequest(msgspec.Struct, tag=True, omit_defaults=True):
     # the request was in the step that crashed the last engine: it runs in steps of its own until
     # it samples a token, so a second crash names it alone (a poison request)
     isolate: bool = False
+    # reusable segments (the `segments` API, docs/cache.md): token spans [start, end) of
+    # input_ids, in order and apart, whose KV may come from the segment cache wherever they sit;
+    # empty = an ordinary prompt
+    segments: list[tuple[int, int]] = []
+    segment_recompute_ratio: float = 0.15  # share of reused tokens recomputed (front resolves the default)
 
 
 class AbortRequest(msgspec.Struct, tag=True):
@@ -204,6 +209,10 @@ class RequestOutput(msgspec.Struct, omit_defaults=True, array_like=True):
     input_top_logprobs: list[list[tuple[int, float]]] = []
     # with speculative decoding on: the sample's draft tokens accepted so far (None: off)
     spec_accepted_tokens: int | None = None
+    # segments: prompt tokens whose KV came from the segment cache (counted in cached_tokens too),
+    # and how many of those were recomputed through every layer
+    segment_tokens: int = 0
+    recomputed_tokens: int = 0
 
 
 class TokenBatchOut(msgspec.Struct, tag=True):
@@ -268,6 +277,8 @@ class SchedulerStats(msgspec.Struct, tag=True):
     kv_disk_corrupt_pages_total: int = 0  # files dropped for a bad size, header or checksum
     pinned_tokens_memory: int = 0  # tokens of the pages pins hold in the KV pool
     pinned_tokens_disk: int = 0  # tokens of the pages pins hold in the disk tier
+    segment_reused_tokens_total: int = 0  # prompt tokens whose KV came from the segment cache
+    segment_recomputed_tokens_total: int = 0  # of those, recomputed through every layer
 
 
 class PinInfo(msgspec.Struct, omit_defaults=True):
@@ -339,6 +350,25 @@ class NewRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     output_ids: list[int] = []  # a resumed sample's tokens so far (ResumedSample), once
 
 
+class SegmentReuse(msgspec.Struct, array_like=True):
+    """A run of a chunk's tokens whose KV is copied from a cached segment instead of computed
+    (segment blending, docs/cache.md), and the selection group of its recompute.
+
+    Tokens at request positions `position .. position + length - 1` take the K/V that the
+    segment cache holds at the segment's own positions `source_position ..`, in the segment's
+    `pages` (all of them from its first, so the source slot of segment position p is
+    `pages[p // page_size] * page_size + p % page_size`), keys re-rotated by
+    `position - source_position`. Of these tokens the worker recomputes the `recompute` whose
+    K/V deviate most from the copied ones after the first layers; the rest keep the copies.
+    """
+
+    position: int
+    length: int
+    source_position: int
+    pages: list[int]
+    recompute: int
+
+
 class Chunk(msgspec.Struct, array_like=True, omit_defaults=True):
     """Tokens of one request to compute this step, at positions prefix_len .. prefix_len+len-1."""
 
@@ -355,6 +385,9 @@ class Chunk(msgspec.Struct, array_like=True, omit_defaults=True):
     # constrained sampling: the tokens allowed next, one bit per token id (little-endian int32
     # words, xgrammar's layout); empty = any token
     token_bitmask: bytes = b""
+    # segment blending: runs of the chunk's tokens whose KV comes from the segment cache, in
+    # position order, each wholly inside the chunk; never with a draft or input logprobs
+    reuse: list[SegmentReuse] = []
 
 
 class DiskOps(msgspec.Struct, array_like=True, omit_defaults=True):
