@@ -19,6 +19,7 @@ the front streams to clients.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -56,6 +57,7 @@ from radixserve.scheduler.ngram import NgramDrafter
 from radixserve.scheduler.pins import PinRefused, Pins
 from radixserve.scheduler.policy import order_waiting, shares_uncached_prefix
 from radixserve.scheduler.request import PromptLogprobs, Request, Speculation
+from radixserve.scheduler.segments import group_tokens, missing_spans, segment_namespace
 from radixserve.scheduler.stats import Counters, scheduler_stats
 from radixserve.scheduler.stop import StopChecker
 
@@ -67,6 +69,7 @@ NEW_TOKEN_RATIO_DECAY = 0.002  # per step without retraction
 RETRACT_RATIO_STEP = 0.2  # added after each retraction: admission learns to leave more room
 DEDUP_MIN_TOKENS = 32  # shared uncached prefix worth waiting one prefill for
 ADMISSION_SHARE = 4  # 1/4 of a step's prompt budget goes to short prompts while a long one runs
+FILL_RID_BASE = -(1 << 48)  # segment fills' rids count down from here: never a front's (>= 0) or a pin's
 
 
 class Scheduler:
@@ -116,6 +119,12 @@ class Scheduler:
         self.pins = Pins(
             self.kv, config.max_pinned_fraction, config.max_pinned_share_per_tenant, config.max_pins_in_flight_per_tenant,
         )
+        if self.kv.caching and not config.disable_segment_cache:
+            self.kv.segment_group = group_tokens(config.chunk_size, ADMISSION_SHARE)
+        # segments being computed alone for the segment cache, by (namespace, tokens): every
+        # request waiting for the same segment waits for the same fill
+        self._fills: dict[tuple[str, tuple[int, ...]], Request] = {}
+        self._fill_rids = itertools.count(FILL_RID_BASE, -1)
 
     # ------------------------------------------------------------------ requests in
 
@@ -145,6 +154,8 @@ class Scheduler:
         prompt_logprobs = msg.return_logprob and 0 <= msg.logprob_start_len < len(msg.input_ids)
         if prompt_logprobs and len(indices) > 1 and indices[0] == 0:
             self._prompt_logprobs_pending.add(msg.rid)
+        spans = self._reusable_spans(msg)
+        fills = self._fill(spans, msg.input_ids, msg.cache_salt or None)
         for i in indices:
             sampling = msg.sampling
             if n > 1:
@@ -162,6 +173,7 @@ class Scheduler:
                 output_ids=output_ids, isolated=msg.isolate,
                 # reported before the restart: the client keeps that figure
                 admitted=bool(output_ids), cached_tokens=resumed[i].cached_tokens if output_ids else 0,
+                segments=spans, recompute_ratio=msg.segment_recompute_ratio, fills=fills,
             )
             self._arrivals += 1
             req.stop_checker = self._make_stop_checker(req)
@@ -169,6 +181,37 @@ class Scheduler:
                 req.stop_checker.replay(groups)
             self.waiting.append(req)
         return None
+
+    def _reusable_spans(self, msg: TokenizedRequest) -> list[tuple[int, int]]:
+        """The request's segment spans that may come from the segment cache: none when segments
+        are off (a plain prompt then), and never one at position 0, whose KV standalone is its
+        exact KV anyway (the prefix cache serves it). The front checked the spans."""
+        spans: list[tuple[int, int]] = []
+        if not self.kv.segment_group:
+            return spans
+        for begin, end in msg.segments:
+            if 0 < begin < end <= len(msg.input_ids) and (not spans or spans[-1][1] <= begin):
+                spans.append((begin, end))
+        return spans
+
+    def _fill(self, spans: list[tuple[int, int]], tokens: list[int], namespace: str | None) -> list[Request]:
+        """Queue a prompt-only request for each segment the segment cache lacks (shared with any
+        fill already queued for it); the request is admitted once they are done."""
+        fills: list[Request] = []
+        for segment in missing_spans(spans, tokens, self.kv.cache, namespace, self.page_size):
+            key = (segment_namespace(namespace), tuple(segment))
+            fill = self._fills.get(key)
+            if fill is None or fill.finished:
+                fill = Request(
+                    rid=next(self._fill_rids), index=0, input_ids=segment,
+                    sampling=SamplingParams(max_new_tokens=0, temperature=0.0), namespace=key[0],
+                    arrival=self._arrivals, segment_fill=True,
+                )
+                self._arrivals += 1
+                self._fills[key] = fill
+                self.waiting.append(fill)
+            fills.append(fill)
+        return fills
 
     def abort(self, rid: int) -> None:
         """End every sample of the submission `rid`; an id that is no longer live is ignored."""
@@ -311,11 +354,25 @@ class Scheduler:
         if self.waiting:
             self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         self._schedule_prompts(self.config.chunk_size)
+        if not self._in_flight and self._unlock_stuck_blends():
+            self._continue_prefills(self._unscheduled_prefills(), self.config.chunk_size)
         if not self._in_flight and len(self.running) > 1:
             # every running request is a prefill stuck for pages held by the others: make room
             self._retract(self._victim())
             self._schedule_decodes()
             self._continue_prefills(self._unscheduled_prefills(), self.config.chunk_size)
+
+    def _unlock_stuck_blends(self) -> bool:
+        """Nothing could run, and blends hold segment pages they have not copied yet: they
+        compute their remaining reused tokens instead, and the pages become evictable. True
+        if any did (admission leaves room for a blend's segment pages, so this is rare)."""
+        stuck = [r for r in self.running if r.blend is not None and r.blend.nodes]
+        for req in stuck:
+            self.kv.release_segments(req)
+            req.blend.drop_after(req.computed_len)
+            if not req.blend.runs:
+                req.blend = None
+        return bool(stuck)
 
     def _schedule_isolated(self) -> bool:
         """A suspect of the last engine crash runs alone, one step at a time, until it samples
@@ -438,7 +495,7 @@ class Scheduler:
         for req in requests:
             if budget <= 0:
                 break
-            n = self._grow_for_chunk(req, min(req.fill_len - req.computed_len, budget))
+            n = self._chunk_len(req, self._grow_for_chunk(req, min(req.fill_len - req.computed_len, budget)))
             if n > 0:
                 self._add_chunk(req, n)
                 budget -= n
@@ -453,8 +510,8 @@ class Scheduler:
         for req in candidates:
             if budget <= 0 or not self.kv.has_free_row or len(self.running) >= self.config.max_running_requests:
                 break
-            if req.waits_for_grammar:
-                continue  # its grammar compiles; the others need not wait for it
+            if req.waits_for_grammar or req.waits_for_fills:
+                continue  # its grammar compiles, or its segments; the others need not wait for it
             if req.isolated and isolated is None:
                 continue  # it runs alone (_schedule_isolated)
             in_memory = self.kv.cache.peek_prefix_length(req.fill_ids[: req.match_limit], req.namespace)
@@ -465,28 +522,61 @@ class Scheduler:
             if self._should_wait_for_prefill(req, cached):
                 continue
             n = min(req.fill_len - cached, budget)
-            # the pages loaded from disk need pool pages too, the matched ones do not
+            # the pages loaded from disk need pool pages too, the matched ones do not; a blend
+            # locks the segment pages it copies from until its prompt is computed
             need = pages_for(cached + n, self.page_size) - in_memory // self.page_size
+            if req.segments:
+                extra = self._segment_pages(req)
+                # one that cannot fit with them copies what it can (`_unlock_stuck_blends`)
+                if pages_for(req.fill_len, self.page_size) + extra <= self.kv.total_pages:
+                    need += extra
             reserve = self._reserved_pages() + self._future_pages(req, cached + n) if self.running else 0
             # the matched pages get locked: they stop counting as evictable
             if self.kv.available_pages - in_memory // self.page_size < need + reserve:
                 break  # not `continue`: smaller requests must not starve this one forever
             from_memory, from_disk = self.kv.admit(req)
             matched = from_memory + from_disk
-            n = self._grow_for_chunk(req, n)
+            n = self._chunk_len(req, self._grow_for_chunk(req, n))
             if n == 0:
                 self.kv.release(req)
                 break
             self.waiting.remove(req)
             self.running.append(req)
-            if req.admit():
-                req.cached_tokens = matched
-                self.counters.prompt_tokens += len(req.input_ids)
-                self.counters.cached_prompt_tokens += matched
-                self.counters.cached_prompt_tokens_disk += from_disk
+            if req.admit() and not req.segment_fill:
+                self._count_admission(req, matched, from_disk)
             self._add_chunk(req, n)
             budget -= n
         return budget
+
+    def _segment_pages(self, req: Request) -> int:
+        """Pages of the request's segments cached now (a blend would lock them)."""
+        ns = segment_namespace(req.namespace)
+        cached = (self.kv.cache.peek_prefix_length(req.input_ids[a:b], ns) for a, b in req.segments)
+        return sum(cached) // self.page_size
+
+    def _count_admission(self, req: Request, matched: int, from_disk: int) -> None:
+        """A client's sample admitted for the first time: what it found cached (segment tokens
+        a blend copies count as cached, as the reused share of its prompt)."""
+        reused = req.blend.segment_tokens if req.blend is not None else 0
+        recomputed = req.blend.recomputed_tokens if req.blend is not None else 0
+        req.cached_tokens, req.segment_tokens, req.recomputed_tokens = matched + reused, reused, recomputed
+        c = self.counters
+        c.prompt_tokens += len(req.input_ids)
+        c.cached_prompt_tokens += matched + reused
+        c.cached_prompt_tokens_disk += from_disk
+        c.segment_reused_tokens += reused
+        c.segment_recomputed_tokens += recomputed
+
+    def _chunk_len(self, req: Request, n: int) -> int:
+        """The next chunk's length, at most n: a blend's chunk never splits a recompute group,
+        and never mixes reused tokens with positions whose prompt logprobs are wanted."""
+        if req.blend is None or n <= 0:
+            return n
+        start = req.computed_len
+        end = req.blend.cut(start, start + n)
+        if req.wants_input_logprobs and start < req.blend.end < end:
+            end = req.blend.end
+        return end - start
 
     def _should_wait_for_prefill(self, req: Request, cached: int) -> bool:
         """Defer a request whose prefix a running prefill is about to publish (lpm, or n > 1
@@ -553,6 +643,8 @@ class Scheduler:
         if draft:
             chunk.token_ids += draft
             chunk.draft_len = len(draft)
+        if req.blend is not None:
+            chunk.reuse = req.blend.runs_in(start, end)
         if sample and req.matcher is not None:
             if self._bitmask is None:
                 self._bitmask = self.grammars.new_bitmask()
@@ -583,6 +675,8 @@ class Scheduler:
                 self._append_token(req, res.next_token_id, res.logprob, res.top_logprobs)
             elif req.computed_len == req.fill_len and req.sampling.max_new_tokens <= len(req.output_ids):
                 self._finish(req, FinishReason("length"))  # max_new_tokens 0: prompt logprobs only
+            if not req.finished and req.blend is not None and req.computed_len >= req.blend.end:
+                self.kv.release_segments(req)  # copied: the segment cache may evict them again
             if not req.finished and req.computed_len < req.fill_len:
                 self.kv.cache_progress(req)
         self._in_flight, self._in_flight_keys = [], set()
@@ -665,6 +759,7 @@ class Scheduler:
             rid=req.rid, index=req.index, new_token_ids=tokens, prompt_tokens=len(req.input_ids),
             cached_tokens=req.cached_tokens, finish=finish,
             spec_accepted_tokens=req.spec_accepted if self.speculative else None,
+            segment_tokens=req.segment_tokens, recomputed_tokens=req.recomputed_tokens,
         )
         if req.prompt_logprobs is PromptLogprobs.COMPLETE:
             lead = 1 if req.logprob_start_len == 0 else 0  # the first prompt token has no logprob
@@ -681,6 +776,11 @@ class Scheduler:
         self._end(req, finish)
         if req.pin is not None:
             self._replies.append(self.pins.complete(req.pin, finish, req.cached_tokens))
+            return
+        if req.segment_fill:
+            key = (req.namespace, tuple(req.input_ids))
+            if self._fills.get(key) is req:
+                del self._fills[key]
             return
         self._outputs.append(self._output(req, [], finish))
 

@@ -12,6 +12,7 @@ from radixserve.cache.base import NoCache, PrefixCache
 from radixserve.cache.radix_tree import RadixTree
 from radixserve.scheduler.disk_tier import DiskTier
 from radixserve.scheduler.request import Request
+from radixserve.scheduler.segments import plan_blend
 
 
 def pages_for(tokens: int, page_size: int) -> int:
@@ -29,6 +30,7 @@ class KVManager:
         self.cache: PrefixCache = cache_cls(page_size, self.allocator)
         self._free_rows = list(range(max_rows - 1, -1, -1))
         self.disk: DiskTier | None = None  # attach_disk, with --kv-disk-dir
+        self.segment_group = 0  # tokens per recompute group of a blend; 0: segments are plain prompt
         self.assigned: list[tuple[int, list[int]]] = []  # deltas for the next ForwardBatch
         self.appended: list[tuple[int, list[int]]] = []
         self.released: list[int] = []
@@ -89,6 +91,11 @@ class KVManager:
                 self.cache.unlock(match.node)
                 match, from_disk = loaded, len(run) * self.page_size
         req.node, req.pages, req.tree_len, req.computed_len = match.node, list(match.pages), match.length, match.length
+        if req.segments and self.segment_group:
+            req.blend = plan_blend(
+                req.segments, req.input_ids, match.length, req.match_limit, req.recompute_ratio, self.cache,
+                req.namespace, self.page_size, self.segment_group,
+            )
         req.row = self._free_rows.pop()
         self.assigned.append((req.row, list(req.pages)))
         return match.length - from_disk, from_disk
@@ -102,8 +109,10 @@ class KVManager:
             self.appended.append((req.row, pages))
 
     def cache_progress(self, req: Request) -> None:
-        """Publish the request's computed whole pages to the tree so others can hit them now."""
-        aligned = req.computed_len - req.computed_len % self.page_size
+        """Publish the request's computed whole pages to the tree so others can hit them now
+        (of a blend, only the exact prefix before its first reused token)."""
+        computed = min(req.computed_len, req.publish_limit)
+        aligned = computed - computed % self.page_size
         if not self.caching or aligned <= req.tree_len:
             return
         match = self.cache.insert_and_lock(req.fill_ids[:aligned], req.pages, req.namespace)
@@ -114,11 +123,20 @@ class KVManager:
         self.cache.unlock(req.node)
         req.node, req.tree_len = match.node, match.length
 
+    def release_segments(self, req: Request) -> None:
+        """Unlock the segment-cache pages a blend copies from (once its prompt is computed)."""
+        if req.blend is not None:
+            for node in req.blend.nodes:
+                self.cache.unlock(node)
+            req.blend.nodes = []
+
     def release(self, req: Request) -> None:
-        """The request leaves the running set: its computed prefix goes to the cache, the rest is freed."""
-        tokens = req.fill_ids[: req.computed_len]
+        """The request leaves the running set: its computed prefix goes to the cache (of a
+        blend, the exact prefix only), the rest is freed."""
+        tokens = req.fill_ids[: min(req.computed_len, req.publish_limit)]
         self.cache.insert(tokens, req.pages, req.namespace)
         self.allocator.free(req.pages[len(tokens) // self.page_size :])
+        self.release_segments(req)
         self.cache.unlock(req.node)
         self._free_rows.append(req.row)
         self.released.append(req.row)

@@ -39,7 +39,8 @@ def shares_uncached_prefix(
     for other in prefilling:
         if other.namespace != req.namespace:
             continue
-        common = common_prefix_len(req.input_ids, other.input_ids)
+        # a blend publishes only its exact prefix: what it reuses never reaches the cache
+        common = min(common_prefix_len(req.input_ids, other.input_ids), other.publish_limit)
         if common - cached_len >= min_tokens:
             return True
     return False

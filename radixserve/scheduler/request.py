@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from xgrammar import GrammarMatcher
 
     from radixserve.scheduler.grammar import PendingGrammar
+    from radixserve.scheduler.segments import BlendPlan
 
 
 class RequestPhase(enum.Enum):
@@ -128,6 +129,16 @@ class Request:
     page_keys: list[bytes] = field(default_factory=list)
     disk_planned: bool = False
     pin: PinPrefix | None = None  # a prefix to pin: computed as a prompt-only request, then held
+    # segments (scheduler/segments.py): the prompt's reusable spans and the share of their
+    # tokens recomputed; the fills it waits for before its first admission; while running, the
+    # plan of what it reuses (`blend`, made at admission)
+    segments: list[tuple[int, int]] = field(default_factory=list)
+    recompute_ratio: float = 0.0
+    fills: list[Request] = field(default_factory=list)
+    blend: BlendPlan | None = None
+    segment_fill: bool = False  # a segment computed alone for the segment cache: no client waits on it
+    segment_tokens: int = 0  # reported, like cached_tokens: reused at first admission
+    recomputed_tokens: int = 0
     created: float = field(default_factory=time.monotonic)
     _phase: RequestPhase = field(init=False, repr=False)
     prompt_logprobs: PromptLogprobs = field(init=False)
@@ -245,9 +256,20 @@ class Request:
             return max(self.logprob_start_len, 1) - 1
         return self.fill_len - 1  # the last token is always computed, to get next-token logits
 
+    @property
+    def publish_limit(self) -> int:
+        """Tokens whose KV may go to the prefix cache: the exact prefix before a blend's first
+        reused token (blended KV is this request's alone), else all of them."""
+        return self.blend.start if self.blend is not None else self.fill_len
+
+    @property
+    def waits_for_fills(self) -> bool:
+        return any(not fill.finished for fill in self.fills)
+
     def reset_kv(self) -> None:
         """Forget KV state (after retraction): it will be matched and computed again."""
         self.row, self.pages, self.node, self.tree_len, self.computed_len = None, [], None, 0, 0
+        self.blend = None
         self.disk_planned = False
         if self.wants_input_logprobs:
             self.input_logprobs, self.input_top_logprobs = [], []

@@ -24,6 +24,8 @@ class Counters:
     retractions: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    segment_reused_tokens: int = 0  # prompt tokens copied from the segment cache (in cached_prompt_tokens)
+    segment_recomputed_tokens: int = 0  # of those, recomputed in context
 
 
 def scheduler_stats(sched: Scheduler, req_id: int) -> SchedulerStats:
@@ -48,6 +50,8 @@ def scheduler_stats(sched: Scheduler, req_id: int) -> SchedulerStats:
         cached_prompt_tokens_disk_total=counters.cached_prompt_tokens_disk,
         pinned_tokens_memory=sched.pins.pinned_tokens("memory"),
         pinned_tokens_disk=sched.pins.pinned_tokens("disk"),
+        segment_reused_tokens_total=counters.segment_reused_tokens,
+        segment_recomputed_tokens_total=counters.segment_recomputed_tokens,
         **_grammar_stats(sched.grammars),
         **_disk_stats(kv.disk),
     )
