@@ -64,6 +64,7 @@ class RequestRecord:
     e2e: float = 0.0
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    segment_tokens: int = 0  # of cached_tokens, reused from radixserve's segment cache
     output_tokens: int = 0
     error: str | None = None
     output: str = ""
@@ -193,10 +194,11 @@ async def _stream_events(
 
 
 async def send_generate(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int,
-                        rec: RequestRecord, t0: float) -> None:
-    """POST /generate with SSE streaming; `text` and `output_ids` are cumulative."""
-    body = {"text": prompt, "stream": True,
-            "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}}
+                        rec: RequestRecord, t0: float, segments: Sequence[str] = ()) -> None:
+    """POST /generate with SSE streaming; `text` and `output_ids` are cumulative. With
+    `segments` (a prompt split into them) they are sent instead of the text."""
+    body: dict[str, Any] = {"segments": list(segments)} if segments else {"text": prompt}
+    body |= {"stream": True, "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}}
     seen, last = 0, None
     async for event in _stream_events(client, url + "/generate", body, rec):
         now = time.perf_counter() - t0
@@ -212,6 +214,7 @@ async def send_generate(client: httpx.AsyncClient, url: str, prompt: str, max_to
         rec.prompt_tokens = meta.get("prompt_tokens", rec.prompt_tokens)
         rec.cached_tokens = meta.get("cached_tokens", rec.cached_tokens)
         rec.output_tokens = meta.get("completion_tokens", rec.output_tokens)
+        rec.segment_tokens = meta.get("segment_tokens", rec.segment_tokens)
 
 
 async def send_openai(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int,
@@ -306,7 +309,9 @@ async def run_workload(url: str, workload: Workload, *, api: str = "generate", c
             rec.sent = time.perf_counter() - t0
             try:
                 if api == "generate":
-                    await send_generate(client, url, prompt, node.max_tokens, rec, t0)
+                    # a root's segments: radixserve's segment cache (a follow-up's prompt is text)
+                    segments = node.segments if depth == 0 else ()
+                    await send_generate(client, url, prompt, node.max_tokens, rec, t0, segments)
                 else:
                     await send_openai(client, url, prompt, node.max_tokens, rec, t0, model)
             except (httpx.HTTPError, ValueError, KeyError) as exc:

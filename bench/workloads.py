@@ -35,12 +35,16 @@ from bench.corpus import QUESTIONS
 
 @dataclass(frozen=True)
 class Node:
-    """One request; its prompt is the parent's prompt + the parent's output + `text`."""
+    """One request; its prompt is the parent's prompt + the parent's output + `text`.
+
+    A root may also give its prompt as `segments` (their concatenation is `text`): sent as
+    radixserve's `segments` on /generate, each piece but the last a reusable segment."""
 
     text: str
     max_tokens: int
     group: str
     children: tuple[Node, ...] = ()
+    segments: tuple[str, ...] = ()
 
     def walk(self) -> Iterator[Node]:
         yield self
@@ -257,9 +261,32 @@ def quote(tokenizer: Any, *, docs: int = 4, doc_tokens: int = 600, questions: in
                                                 max_tokens=max_tokens, seed=seed))
 
 
+RAG_INSTRUCTION = "Answer the question from the documents below.\n\n"
+
+
+def rag_multi(tokenizer: Any, *, chunks: int = 16, chunk_tokens: int = 350, questions: int = 48, top_k: int = 3,
+              max_tokens: int = 16, seed: int = 0) -> Workload:
+    """Retrieval as RAG pipelines do it: Q questions, each with its top K of C shared chunks of ~L
+    tokens, in that question's own relevance order (a seeded draw), after one instruction. The
+    same chunks come back again and again, almost never after the same predecessors, so a
+    prefix cache reuses little beyond the instruction. Each prompt is also given as segments
+    (instruction, the K chunks, the question) for radixserve's segment cache."""
+    rng = random.Random(seed)
+    pool = TextPool(tokenizer, seed)
+    texts = [pool.take(chunk_tokens) for _ in range(chunks)]
+    roots = []
+    for q in range(questions):
+        picked = rng.sample(range(chunks), top_k)
+        pieces = (RAG_INSTRUCTION, *(f"Document:\n{texts[c]}\n\n" for c in picked),
+                  f"Question: {_question(rng)}\nAnswer:")
+        roots.append(Node("".join(pieces), max_tokens, f"q{q}", segments=pieces))
+    return Workload("rag_multi", tuple(roots), dict(chunks=chunks, chunk_tokens=chunk_tokens, questions=questions,
+                                                    top_k=top_k, max_tokens=max_tokens, seed=seed))
+
+
 WORKLOADS: dict[str, Callable[..., Workload]] = {
     "rag": rag, "chat": chat, "fewshot": fewshot, "agent": agent, "agent_fork": agent_fork, "unique": unique,
-    "quote": quote,
+    "quote": quote, "rag_multi": rag_multi,
 }
 
 
