@@ -148,6 +148,9 @@ class PinPrefix(msgspec.Struct, tag=True, omit_defaults=True):
     # the caller's tenant of --api-key-file (None without one): its pins count against that
     # tenant's budgets (scheduler/pins.py)
     tenant: str | None = None
+    # pin `input_ids` as a segment: its KV computed alone, in the segment cache of the namespace
+    # (scheduler/segments.py), for requests that reuse it wherever it sits
+    segment: bool = False
 
 
 class UnpinPrefix(msgspec.Struct, tag=True, omit_defaults=True):
@@ -158,6 +161,7 @@ class UnpinPrefix(msgspec.Struct, tag=True, omit_defaults=True):
     pin_ids: list[int] = []
     input_ids: list[int] = []
     cache_salt: str | None = None
+    segment: bool = False  # `input_ids` is a pinned segment (PinPrefix.segment)
 
 
 class ListPins(msgspec.Struct, tag=True):
@@ -288,6 +292,7 @@ class PinInfo(msgspec.Struct, omit_defaults=True):
     tier: str
     created: float  # time.time()
     expires_at: float | None = None  # time.time() when its ttl ends; None: never
+    segment: bool = False  # a segment pinned in the segment cache of `cache_salt`
 
 
 class PinDone(msgspec.Struct, tag=True, omit_defaults=True):

@@ -229,6 +229,10 @@ class Scheduler:
         queue (a pin is a prefill, counted like any request), or the pins' budgets and bounds."""
         if len(self.waiting) >= self.config.max_queued_requests:
             return PinDone(order.req_id, error="the waiting queue is full; retry later", refusal="queue_full")
+        if order.segment:
+            if not self.kv.segment_group:
+                return PinDone(order.req_id, error="the segment cache is off (--disable-segment-cache or no prefix cache)")
+            order = msgspec.structs.replace(order, cache_salt=segment_namespace(order.cache_salt))
         if pages_for(len(order.input_ids) + 1, self.page_size) > self.kv.total_pages:
             return PinDone(order.req_id, error=f"the prefix ({len(order.input_ids)} tokens) does not fit in the KV pool")
         try:
@@ -244,7 +248,8 @@ class Scheduler:
         return None
 
     def unpin(self, order: UnpinPrefix) -> PinList:
-        released = self.pins.release(order.pin_ids, order.input_ids, order.cache_salt)
+        namespace = segment_namespace(order.cache_salt) if order.segment else order.cache_salt
+        released = self.pins.release(order.pin_ids, order.input_ids, namespace)
         return PinList(order.req_id, [pin.info() for pin in released])
 
     def list_pins(self, req_id: int) -> PinList:

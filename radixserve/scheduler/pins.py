@@ -29,6 +29,7 @@ from radixserve.cache.base import TreeNode
 from radixserve.protocol import FinishReason, PinDone, PinInfo, PinPrefix
 from radixserve.scheduler.kv import KVManager
 from radixserve.scheduler.policy import common_prefix_len
+from radixserve.scheduler.segments import segment_owner
 
 
 class PinRefused(ValueError):
@@ -70,7 +71,8 @@ class Pin:
     keys: list[bytes] = field(default_factory=list)  # tier "disk": the page keys it holds
 
     def info(self) -> PinInfo:
-        return PinInfo(self.pin_id, self.namespace, len(self.input_ids), self.tier, self.created, self.expires_at)
+        namespace, segment = segment_owner(self.namespace)
+        return PinInfo(self.pin_id, namespace, len(self.input_ids), self.tier, self.created, self.expires_at, segment)
 
 
 class Pins:

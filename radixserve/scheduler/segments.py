@@ -29,12 +29,23 @@ from radixserve.cache.base import MatchResult, PrefixCache, TreeNode
 from radixserve.protocol import SegmentReuse
 
 MAX_GROUP_TOKENS = 128  # the most reused tokens one recompute selection ranks
+# Before any namespace a tenant owns (those begin with the tenant's name). A salt spelling it in
+# the shared namespace reaches KV that depends only on its tokens, as everything in the tree does.
+_SEGMENT_ROOT = "\x00segments\x00"
 
 
 def segment_namespace(namespace: str | None) -> str:
     """Where a namespace's segments live in the tree: their own root, derived from the
     request's namespace (a tenant's, or a client's salt within it), so tenants never share one."""
-    return f"\x00segments\x00{namespace or ''}"
+    return f"{_SEGMENT_ROOT}{namespace or ''}"
+
+
+def segment_owner(namespace: str | None) -> tuple[str | None, bool]:
+    """A tree namespace as a client names it: (its request namespace, whether it is that
+    namespace's segment cache)."""
+    if namespace is not None and namespace.startswith(_SEGMENT_ROOT):
+        return namespace[len(_SEGMENT_ROOT):] or None, True
+    return namespace, False
 
 
 def group_tokens(chunk_size: int, admission_share: int) -> int:

@@ -208,3 +208,21 @@ def test_a_blend_too_large_to_hold_with_its_segments_computes_the_rest_itself():
     assert len(done[("r", 0)]["tokens"]) == 4
     reused = [r for c in reuse_chunks(worker) for r in c.reuse]
     assert reused and sum(r.length for r in reused) < 180
+
+
+def test_a_pinned_segment_is_computed_alone_and_reused_without_a_fill():
+    from radixserve.protocol import PinPrefix, UnpinPrefix
+
+    sched, worker = make(page_size=4)
+    a = doc(1)
+    assert sched.pin(PinPrefix(1, a, cache_salt="t", segment=True)) is None
+    run(sched, worker)
+    pins = sched.list_pins(0).pins
+    assert len(pins) == 1 and pins[0].segment and pins[0].cache_salt == "t" and pins[0].tokens == 40
+    before = len(worker.steps)
+    sched.add_request(rag("r", [a], [3], cache_salt="t"))
+    run(sched, worker)
+    chunks = [c for b in worker.steps[before:] for c in b.chunks]
+    assert not [c for c in chunks if c.token_ids[:3] == a[:3]]  # no fill: the pinned segment was there
+    assert [r.length for c in chunks for r in c.reuse] == [40]
+    assert sched.unpin(UnpinPrefix(2, input_ids=a, cache_salt="t", segment=True)).pins[0].pin_id == pins[0].pin_id
