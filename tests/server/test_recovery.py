@@ -264,3 +264,34 @@ def test_past_max_restarts_requests_fail_with_503_and_the_server_exits_1(tiny_di
         server.stop()
     stream.assert_continuous()
     assert "the engine could not be restarted" in server.log()
+
+
+def _segment_body(i: int) -> dict[str, Any]:
+    """A greedy request whose documents are segments, in an order of its own."""
+    docs = [f"Document {d}: " + " ".join(f"fact{d}_{j}" for j in range(40)) for d in range(4)]
+    order = [docs[(i + k) % 4] for k in range(3)]
+    return {"segments": ["Answer from the documents.\n\n", *order, f"Question {i}: what is said?\nAnswer:"],
+            "segment_recompute_ratio": 0.15,
+            "sampling_params": {"max_new_tokens": 400, "ignore_eos": True, "temperature": 0.0}}
+
+
+def test_a_killed_worker_resumes_segment_streams_with_the_undisturbed_text(tiny_model, tmp_path):
+    """A resumed blend computes its segments alone again on the fresh engine and re-blends them
+    the same way (recompute groups are fixed, whatever the chunking), so every text continues
+    as it would have."""
+    server = _start(tiny_model(num_hidden_layers=4), tmp_path, *OPTIONS)
+    try:
+        bodies = [_segment_body(i) for i in range(4)]
+        expected = [_generate(server.url, b) for b in bodies]
+        assert all(e["meta_info"]["segment_tokens"] > 0 for e in expected)
+        assert httpx.post(server.url + "/flush_cache", timeout=30).status_code == 200
+        streams = _streams_through_a_kill(server, bodies, server.info()["pids"]["worker"], "worker")
+        for s, want in zip(streams, expected, strict=True):
+            assert s.status == 200 and s.done and "error" not in s.events[-1], s.events[-1]
+            s.assert_continuous()
+            assert s.events[-1]["output_ids"] == want["output_ids"]
+        assert _metric(server, "radixserve_requests_recovered_total") == len(bodies)
+        assert_pages_balanced(server.wait_idle())
+    finally:
+        code = server.stop()
+    assert code == 0, server.log()
