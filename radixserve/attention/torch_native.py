@@ -86,11 +86,9 @@ class TorchNativeBackend(AttentionBackend):
         page_idx = (pos // ps).clamp(max=page_table.shape[1] - 1)
         slots = page_table[:, page_idx] * ps + pos % ps  # [B, max_len]
         # each request's new positions: a range, or scattered (then also as a tensor)
-        scattered = [
-            None if not batch.scattered or batch.query_positions[i] is None
-            else torch.tensor(batch.query_positions[i], device=device)
-            for i in range(batch.batch_size)
-        ]
+        scattered: list[torch.Tensor | None] = [None] * batch.batch_size
+        if batch.scattered:
+            scattered = [None if p is None else torch.tensor(p, device=device) for p in batch.query_positions]
         self._out_slots = torch.cat(
             [slots[i, p:s] if scattered[i] is None else slots[i, scattered[i]]
              for i, (p, s) in enumerate(zip(batch.prefix_lens, seq_lens))]
