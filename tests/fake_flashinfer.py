@@ -10,6 +10,8 @@ Semantics it follows (prefill/append over paged KV, NHD layout):
 - its keys/values are pages kv_indices[kv_indptr[i]:kv_indptr[i+1]], all full but the last,
   which holds kv_last_page_len[i] tokens;
 - causal masks align to the end of the KV: query j of n sees keys 0 .. kv_len - n + j;
+- a prefill plan's `custom_mask` (flattened bool, per request row-major [n, kv_len]) replaces
+  the causal mask;
 - query head h reads KV head h // (num_qo_heads // num_kv_heads).
 In CUDA-graph mode `plan` copies indices into the caller's buffers and `run` reads only those.
 """
@@ -34,6 +36,7 @@ class _Paged:
         self.use_cuda_graph = use_cuda_graph
         self.plan_calls = 0
         self.run_calls = 0
+        self.custom_mask: torch.Tensor | None = None
 
     def _store(self, qo_indptr, kv_indptr, kv_indices, last_page_len, num_qo_heads, num_kv_heads,
                head_dim, page_size, causal, sm_scale, q_data_type, kv_data_type) -> None:
@@ -79,6 +82,7 @@ class _Paged:
         indptr, indices, last = self.indptr_buf.cpu(), self.indices_buf.cpu(), self.last_buf.cpu()
         qo = self.qo_indptr
         out = torch.empty_like(q)
+        mask_at = 0
         for i in range(len(indptr) - 1):
             pages = indices[indptr[i] : indptr[i + 1]].long()
             kv_len = (len(pages) - 1) * self.page_size + int(last[i])
@@ -89,7 +93,11 @@ class _Paged:
             k = k.repeat_interleave(h // hkv, dim=1)  # [L, H, D]
             v = v.repeat_interleave(h // hkv, dim=1)
             scores = torch.einsum("nhd,lhd->hnl", qi, k) * self.sm_scale
-            if self.causal:
+            if self.custom_mask is not None:
+                allowed = self.custom_mask[mask_at : mask_at + n * kv_len].cpu().view(n, kv_len)
+                mask_at += n * kv_len
+                scores = scores.masked_fill(~allowed[None], float("-inf"))
+            elif self.causal:
                 allowed = torch.arange(kv_len)[None, :] <= (kv_len - n + torch.arange(n))[:, None]
                 scores = scores.masked_fill(~allowed[None], float("-inf"))
             out[qo[i] : qo[i + 1]] = torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v).to(q.dtype)
@@ -115,6 +123,15 @@ class BatchPrefillWithPagedKVCacheWrapper(_Paged):
         self._store(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
                     num_qo_heads, num_kv_heads, head_dim_qk, page_size, causal, sm_scale,
                     _dtype(q_data_type), _dtype(kv_data_type))
+        if custom_mask is not None:
+            if custom_mask.dtype != torch.bool:
+                raise ValueError("custom_mask must be bool")
+            qo_lens = qo_indptr[1:] - qo_indptr[:-1]
+            pages = paged_kv_indptr[1:] - paged_kv_indptr[:-1]
+            kv_lens = (pages - 1) * page_size + paged_kv_last_page_len
+            if custom_mask.numel() != int((qo_lens.long() * kv_lens.long()).sum()):
+                raise ValueError("custom_mask must hold sum(q_len[i] * k_len[i]) elements")
+        self.custom_mask = custom_mask
 
 
 class BatchDecodeWithPagedKVCacheWrapper(_Paged):

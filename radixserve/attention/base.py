@@ -40,20 +40,54 @@ class AttentionBatch:
                          cached--- new
 
     The pages for the new tokens must already be assigned (the scheduler allocates them).
+
+    Scattered queries (a selective recompute, worker/blend.py): where `query_positions[i]` is
+    a list, request i's new tokens sit at those positions instead (ascending, as many as
+    `extend_lens[i]`), their K/V are stored there, and each attends over positions 0 .. its
+    own, the ones between the new tokens already stored; `prefix_lens[i]` is then unused, and
+    the request's context ends at its last new token:
+
+        query_positions[i] = [5, 8, 9]
+        positions:       0123   4567   89
+                         stored    new  new
     """
 
     page_size: int
     page_table: torch.Tensor  # [B, max_pages] int64, this batch's rows, padded with 0
     prefix_lens: list[int]
     extend_lens: list[int]
+    query_positions: list[list[int] | None] | None = None  # per request; None: prefix_len ..
+
+    def __post_init__(self) -> None:
+        if self.query_positions is None:
+            return
+        for i, (pos, extend) in enumerate(zip(self.query_positions, self.extend_lens, strict=True)):
+            if pos is not None and (
+                len(pos) != extend or not pos or pos[0] < 0 or any(b <= a for a, b in zip(pos, pos[1:]))
+            ):
+                raise ValueError(f"request {i}: query positions must be {extend} ascending positions, got {pos}")
 
     @property
     def batch_size(self) -> int:
         return len(self.extend_lens)
 
     @property
+    def scattered(self) -> bool:
+        """True when some request's new tokens sit at explicit positions."""
+        return self.query_positions is not None and any(p is not None for p in self.query_positions)
+
+    def positions(self, i: int) -> list[int] | range:
+        """The positions of request i's new tokens, ascending."""
+        if self.query_positions is not None and self.query_positions[i] is not None:
+            return self.query_positions[i]
+        return range(self.prefix_lens[i], self.prefix_lens[i] + self.extend_lens[i])
+
+    @property
     def seq_lens(self) -> list[int]:
-        return [p + e for p, e in zip(self.prefix_lens, self.extend_lens)]
+        """Each request's context length: up to and with its last new token."""
+        if not self.scattered:
+            return [p + e for p, e in zip(self.prefix_lens, self.extend_lens)]
+        return [self.positions(i)[-1] + 1 for i in range(self.batch_size)]
 
     @property
     def num_tokens(self) -> int:

@@ -4,7 +4,11 @@ One forward = one `plan` + one `run` per layer:
 
 - steps with a prefill chunk: `BatchPrefillWithPagedKVCacheWrapper`, causal, ragged queries
   over paged KV (FlashInfer aligns the causal mask to the end of each request's KV, so new
-  token i of a request with a cached prefix of P tokens sees positions 0 .. P + i);
+  token i of a request with a cached prefix of P tokens sees positions 0 .. P + i); with
+  scattered queries (`AttentionBatch.query_positions`, a selective recompute) that alignment
+  is wrong, and the plan takes a custom mask instead (`paged_indices.causal_mask`: each new
+  token sees the keys up to its own position). A decode step needs none: each row's KV ends at
+  its own position;
 - pure decode steps: `BatchDecodeWithPagedKVCacheWrapper`, with tensor cores when the GQA
   group is 4 or more (its kernel is then the prefill module's, so one JIT build serves both);
 - decode steps replayed from CUDA graphs: one decode wrapper per graph batch size in
@@ -27,7 +31,7 @@ import torch
 
 from radixserve.attention.base import AttentionBackend, AttentionBatch, AttentionShape
 from radixserve.attention.kv_pool import KVPool
-from radixserve.attention.paged_indices import build_paged_indices
+from radixserve.attention.paged_indices import build_paged_indices, causal_mask
 
 WORKSPACE_BYTES = 256 * 2**20  # FlashInfer recommends 128 MB; split-k at batch 256 wants more
 PREFILL_KERNELS = "fa2"  # fa3 (Hopper) is a second JIT build; try it once fa2 is measured
@@ -75,10 +79,11 @@ class FlashInferBackend(AttentionBackend):
             self._plan_decode(self._decode, idx, batch.page_size)
         else:
             s = self.shape
+            mask = causal_mask(batch).to(self.pool.device) if batch.scattered else None
             self._prefill.plan(
                 idx.qo_indptr, idx.kv_indptr, idx.kv_indices, idx.kv_last_page_len,
                 s.num_heads, s.num_kv_heads, s.head_dim, batch.page_size,
-                causal=True, sm_scale=s.scale,
+                custom_mask=mask, causal=mask is None, sm_scale=s.scale,
                 q_data_type=self.pool.dtype, kv_data_type=self.pool.dtype,
             )
             self._active = self._prefill

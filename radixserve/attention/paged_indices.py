@@ -15,6 +15,10 @@ Pure torch, so the CPU tests check it exactly; the lengths come from the batch's
     kv_last_page_len [4, 1]            tokens used in each request's last page (1..page_size)
     out_slots        [2*4+1, 2*4+2, 2*4+3, 9*4+0]   flat slot (page * page_size + offset) of
                                                     each new token, where its K/V are written
+
+With scattered queries (`AttentionBatch.query_positions`) a request's KV ends at its last new
+token, each new token's slot is its own position's, and `causal_mask` says which keys each
+new token sees (FlashInfer's bottom-right causal alignment would be wrong there).
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ def build_paged_indices(batch: AttentionBatch, device: torch.device | str) -> Pa
     width = table.shape[1]
     extend = torch.tensor(batch.extend_lens, dtype=torch.int64)  # [B]
     prefix = torch.tensor(batch.prefix_lens, dtype=torch.int64)  # [B]
-    seq = prefix + extend
+    seq = torch.tensor(batch.seq_lens, dtype=torch.int64) if batch.scattered else prefix + extend
     num_pages = (seq + ps - 1) // ps  # [B]
     if bool((num_pages > width).any()):
         raise ValueError(f"a request needs {int(num_pages.max())} pages, the page table has {width}")
@@ -63,7 +67,10 @@ def build_paged_indices(batch: AttentionBatch, device: torch.device | str) -> Pa
     page_cols = torch.arange(int(kv_indptr[-1])) - kv_indptr[page_rows]
     # new token t of request r sits at position prefix[r] + (t - qo_indptr[r])
     tok_rows = torch.repeat_interleave(rows, extend)
-    tok_pos = torch.arange(int(qo_indptr[-1])) - qo_indptr[tok_rows] + prefix[tok_rows]
+    if batch.scattered:  # or at its own position (AttentionBatch.query_positions)
+        tok_pos = torch.tensor([p for i in range(batch.batch_size) for p in batch.positions(i)], dtype=torch.int64)
+    else:
+        tok_pos = torch.arange(int(qo_indptr[-1])) - qo_indptr[tok_rows] + prefix[tok_rows]
     host = torch.cat([page_rows * width + page_cols, tok_rows * width + tok_pos // ps, tok_pos % ps])
     dev = host.to(device, non_blocking=True)
     n_pages, n_tok = page_rows.numel(), tok_rows.numel()
@@ -84,3 +91,13 @@ def _indptr(lengths: torch.Tensor) -> torch.Tensor:
     out = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
     torch.cumsum(lengths, 0, out=out[1:])
     return out
+
+
+def causal_mask(batch: AttentionBatch) -> torch.Tensor:
+    """FlashInfer's flattened custom mask of `batch` (host, bool): per request, row-major
+    [extend_len, seq_len], True where the new token's position is at or past the key's."""
+    parts = []
+    for i, seq_len in enumerate(batch.seq_lens):
+        positions = torch.tensor(list(batch.positions(i)), dtype=torch.int64)
+        parts.append((torch.arange(seq_len)[None, :] <= positions[:, None]).flatten())
+    return torch.cat(parts)

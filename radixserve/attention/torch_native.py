@@ -7,7 +7,9 @@ each token of a request with very few new tokens (`SHORT_EXTEND`). Requests with
 tokens (prefill chunks) are attended one by one: on the CPU, where it is faster, by the C kernel
 `prefill_attention` (pages read in place; see `cpu_kernels.prefill_attention_serves`), else by
 SDPA with a causal mask offset by the cached prefix, where a request with no cached prefix
-attends straight over its new keys and values without touching the pool.
+attends straight over its new keys and values without touching the pool. New tokens at
+scattered positions (`AttentionBatch.query_positions`) take every path: a decode row's context
+ends at its own position, the prefill kernel takes the positions, SDPA a mask built from them.
 """
 
 from __future__ import annotations
@@ -63,10 +65,10 @@ class TorchNativeBackend(AttentionBackend):
         decode_lens: list[int] = []
         decode_rows: list[int] = []  # its token's row in the packed q
         extend_of: list[int] = []  # the requests attended as prefill chunks
-        for i, (prefix, extend) in enumerate(zip(batch.prefix_lens, batch.extend_lens, strict=True)):
+        for i, extend in enumerate(batch.extend_lens):
             if extend <= short:
                 decode_of += [i] * extend
-                decode_lens += range(prefix + 1, prefix + extend + 1)
+                decode_lens += (p + 1 for p in batch.positions(i))
                 decode_rows += range(starts[i], starts[i + 1])
             else:
                 extend_of.append(i)
@@ -83,12 +85,17 @@ class TorchNativeBackend(AttentionBackend):
         pos = torch.arange(max_len, device=device)
         page_idx = (pos // ps).clamp(max=page_table.shape[1] - 1)
         slots = page_table[:, page_idx] * ps + pos % ps  # [B, max_len]
+        # each request's new positions: a range, or scattered (then also as a tensor)
+        scattered: list[torch.Tensor | None] = [None] * batch.batch_size
+        if batch.scattered:
+            scattered = [None if p is None else torch.tensor(p, device=device) for p in batch.query_positions]
         self._out_slots = torch.cat(
-            [slots[i, p:s] for i, (p, s) in enumerate(zip(batch.prefix_lens, seq_lens))]
+            [slots[i, p:s] if scattered[i] is None else slots[i, scattered[i]]
+             for i, (p, s) in enumerate(zip(batch.prefix_lens, seq_lens))]
         )  # [T]: `forward` stores every new key and value before it attends
         self._extends = [
             _Extend(starts[i], starts[i + 1], batch.prefix_lens[i], slots[i, : seq_lens[i]],
-                    page_table[i, : -(-seq_lens[i] // ps)])
+                    page_table[i, : -(-seq_lens[i] // ps)], scattered[i])
             for i in extend_of
         ]
         self._decode_rows = torch.tensor(decode_rows, device=device) if decode_of else None
@@ -122,16 +129,16 @@ class TorchNativeBackend(AttentionBackend):
             if self.uses_prefill_kernel:
                 cpu_kernels.prefill_attention(
                     q[ext.start : ext.end], k_pool, v_pool, ext.pages, self.pool.page_size,
-                    ext.prefix_len, scale, out[ext.start : ext.end],
+                    ext.prefix_len, scale, out[ext.start : ext.end], positions=ext.positions,
                 )
                 continue
             qi = q[ext.start : ext.end].transpose(0, 1).unsqueeze(0)  # [1, H, E, D]
-            if ext.prefix_len == 0:
+            if ext.prefix_len == 0 and ext.positions is None:
                 ki, vi = k[ext.start : ext.end], v[ext.start : ext.end]  # [E, Hkv, D]
                 mask, causal = None, True
             else:
                 ki, vi = k_pool.index_select(0, ext.slots), v_pool.index_select(0, ext.slots)  # [S, Hkv, D]
-                mask, causal = _offset_causal_mask(ext.end - ext.start, ext.prefix_len, q.device), False
+                mask, causal = _causal_mask(ext, q.device), False
             oi = F.scaled_dot_product_attention(
                 qi, ki.transpose(0, 1).unsqueeze(0), vi.transpose(0, 1).unsqueeze(0),
                 attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True,
@@ -170,16 +177,22 @@ class TorchNativeBackend(AttentionBackend):
 
 class _Extend:
     """A request with several new tokens: its rows in the packed q, its context's slots and
-    its pages."""
+    its pages; `positions` [E] where its new tokens are scattered, else None (prefix_len ..)."""
 
-    __slots__ = ("start", "end", "prefix_len", "slots", "pages")
+    __slots__ = ("start", "end", "prefix_len", "slots", "pages", "positions")
 
-    def __init__(self, start: int, end: int, prefix_len: int, slots: torch.Tensor, pages: torch.Tensor) -> None:
+    def __init__(self, start: int, end: int, prefix_len: int, slots: torch.Tensor, pages: torch.Tensor,
+                 positions: torch.Tensor | None = None) -> None:
         self.start, self.end, self.prefix_len, self.slots, self.pages = start, end, prefix_len, slots, pages
+        self.positions = positions
 
 
-def _offset_causal_mask(num_new: int, prefix_len: int, device: torch.device) -> torch.Tensor:
-    """[E, prefix+E] bool: new token i sees every cached token and new tokens 0..i."""
-    rows = torch.arange(num_new, device=device)[:, None] + prefix_len
-    cols = torch.arange(prefix_len + num_new, device=device)[None, :]
+def _causal_mask(ext: _Extend, device: torch.device) -> torch.Tensor:
+    """[E, S] bool: each new token sees the context up to its own position (new token i sits
+    at prefix_len + i, or at its scattered position)."""
+    if ext.positions is None:
+        rows = torch.arange(ext.end - ext.start, device=device)[:, None] + ext.prefix_len
+    else:
+        rows = ext.positions[:, None]
+    cols = torch.arange(ext.slots.shape[0], device=device)[None, :]
     return cols <= rows

@@ -91,8 +91,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.paged_decode_attention.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, ptr,
                                            ptr, i64, i64, i64, i64, i64, f32, cint, cint]
     lib.paged_decode_attention.restype = cint
-    lib.prefill_attention.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ptr, i64, i64, i64,
-                                      f32, cint, cint]
+    lib.prefill_attention.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ptr, ptr, i64, i64,
+                                      i64, f32, cint, cint]
     lib.prefill_attention.restype = cint
     lib.prefill_attention_supported.argtypes = [i64, cint]
     lib.prefill_attention_supported.restype = cint
@@ -250,13 +250,16 @@ def prefill_attention(
     prefix_len: int,
     scale: float,
     out: torch.Tensor,
+    positions: torch.Tensor | None = None,
 ) -> None:
     """Causal attention of E new tokens over their request's paged context, into `out`.
 
     q: [E, H, D] (rows may be strided); k_pool, v_pool: [slots, Hkv, D], contiguous, already
-    holding all prefix_len + E positions; pages: the request's page ids in order (int64);
-    out: [E, H, D] contiguous. New token i sees positions 0 .. prefix_len + i. Only call after
-    `prefill_attention_serves` said yes.
+    holding every position the new tokens see; pages: the request's page ids in order (int64);
+    out: [E, H, D] contiguous. New token i sits at position prefix_len + i, or, with
+    `positions` ([E] ascending, on the CPU), at positions[i] (scattered queries, as a selective
+    recompute has them: the positions between are stored already); it sees positions 0 .. its
+    own. Only call after `prefill_attention_serves` said yes.
     """
     lib = load_library()
     assert lib is not None and q.dtype == k_pool.dtype == v_pool.dtype == out.dtype
@@ -267,13 +270,21 @@ def prefill_attention(
     if heads % kv_heads or k_pool.shape[2] != head_dim or out.shape != q.shape:
         raise ValueError(f"q {tuple(q.shape)} does not fit pool heads {tuple(k_pool.shape[1:])} or out {tuple(out.shape)}")
     pages = _dense(pages, torch.int64)
-    if pages.numel() * page_size < prefix_len + tokens:
-        raise ValueError(f"{pages.numel()} pages of {page_size} cannot hold {prefix_len + tokens} positions")
+    seq_len = prefix_len + tokens
+    if positions is not None:
+        positions = _dense(positions, torch.int64)
+        if positions.shape != (tokens,):
+            raise ValueError(f"positions must be [{tokens}], got {tuple(positions.shape)}")
+        if tokens and (int(positions[0]) < 0 or (tokens > 1 and bool((positions[1:] <= positions[:-1]).any()))):
+            raise ValueError("positions must be ascending and not negative")
+        seq_len = int(positions[-1]) + 1 if tokens else 0
+    if pages.numel() * page_size < seq_len:
+        raise ValueError(f"{pages.numel()} pages of {page_size} cannot hold {seq_len} positions")
     q = _rows(q)
     failed = lib.prefill_attention(
         q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), pages.data_ptr(), page_size,
-        prefix_len, tokens, out.data_ptr(), heads, kv_heads, head_dim, scale, DTYPE_CODES[q.dtype],
-        torch.get_num_threads(),
+        prefix_len, tokens, None if positions is None else positions.data_ptr(), out.data_ptr(), heads,
+        kv_heads, head_dim, scale, DTYPE_CODES[q.dtype], torch.get_num_threads(),
     )
     if failed == 1:
         raise MemoryError("the CPU prefill kernel could not allocate its scratch memory")

@@ -70,11 +70,34 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: [T] int64, all requests' new tokens packed, in the order of the
         batch `attn` was planned for. Returns hidden states [T, hidden] after the final norm."""
-        h = self.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = self.rotary(positions, h.dtype)  # [T, D] each, shared by all layers
-        residual = None
-        for layer in self.layers:
+        h, cos, sin = self.embed(input_ids, positions)
+        h, residual = self.run_layers(h, None, cos, sin, attn, 0, len(self.layers))
+        return self.final_norm(h, residual)
+
+    # The parts of `forward`, for callers that run some layers over a subset of the tokens (a
+    # segment blend's selective recompute, worker/blend.py): layers [0, k) over all of them,
+    # then [k, L) over the rows kept of h, residual, cos and sin, with a plan for those rows.
+
+    def embed(
+        self, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[T] ids and positions -> (embeddings [T, hidden], cos, sin [T, D], shared by all layers)."""
+        h = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, h.dtype)
+        return h, cos, sin
+
+    def run_layers(
+        self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+        attn: AttentionBackend, start: int, stop: int,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Layers start .. stop - 1 over the planned tokens: (h, residual) as the last one left
+        them (the residual stream is their sum; residual None before layer 0)."""
+        for layer in self.layers[start:stop]:
             h, residual = layer(h, residual, cos, sin, attn)
+        return h, residual
+
+    def final_norm(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The residual stream after the last layer, normed: the hidden states logits read."""
         return self.norm.add_and_norm(h, residual)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""One forward over a mixed batch of prefill chunks and decode steps, on paged KV."""
+"""One forward over a mixed batch of prefill chunks and decode steps, on paged KV; a chunk that
+reuses cached segments' KV takes a selective forward of its own (worker/blend.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.attention.base import AttentionBackend, AttentionBatch
+from radixserve.protocol import SegmentReuse
+from radixserve.worker.blend import blend_chunk
 from radixserve.worker.cuda_graph import DecodeGraphRunner
 from radixserve.worker.page_table import PageTable
 
@@ -23,6 +26,9 @@ class SequenceChunk:
     prefix_len: int
     token_ids: list[int]
     all_logits: bool = False  # also return logits of every new token (prompt logprobs)
+    # segment blending: runs of the chunk whose KV is copied from cached segments (never with
+    # all_logits); the chunk then runs alone through `blend.blend_chunk`
+    reuse: tuple[SegmentReuse, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -51,16 +57,44 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, chunks: list[SequenceChunk]) -> ForwardOutput:
+        """The chunks without reuse in one forward, then each chunk with reuse in a selective
+        forward of its own (after the others, so it may read a segment they computed); the
+        outputs in chunk order. A chunk with reuse has no `all_logits`."""
         if not chunks or any(not c.token_ids for c in chunks):
             raise ValueError("a forward needs at least one chunk, each with at least one new token")
-        page_size = self.backend.pool.page_size
         for c in chunks:
-            need = -(-(c.prefix_len + len(c.token_ids)) // page_size)
-            if self.page_table.num_pages(c.row) < need:
-                raise ValueError(
-                    f"row {c.row} holds {self.page_table.num_pages(c.row)} pages, "
-                    f"needs {need} for {c.prefix_len + len(c.token_ids)} tokens"
-                )
+            self._check_pages(c)
+        if not any(c.reuse for c in chunks):
+            return self._forward(chunks)
+        if any(c.reuse and c.all_logits for c in chunks):
+            raise ValueError("a chunk with segment reuse returns only its last token's logits")
+        plain = [c for c in chunks if not c.reuse]
+        out = self._forward(plain) if plain else None
+        last: list[torch.Tensor] = []
+        all_logits: list[torch.Tensor | None] = []
+        at = 0  # the next plain chunk's index in `out`
+        for c in chunks:
+            if c.reuse:
+                pages = self.page_table.gather([c.row])
+                last.append(blend_chunk(self.model, self.backend, pages, c.prefix_len, c.token_ids, c.reuse).logits[None])
+                all_logits.append(None)
+            else:
+                last.append(out.last_logits[at : at + 1])
+                all_logits.append(out.all_logits[at])
+                at += 1
+        return ForwardOutput(torch.cat(last), all_logits)
+
+    def _check_pages(self, c: SequenceChunk) -> None:
+        need = -(-(c.prefix_len + len(c.token_ids)) // self.backend.pool.page_size)
+        if self.page_table.num_pages(c.row) < need:
+            raise ValueError(
+                f"row {c.row} holds {self.page_table.num_pages(c.row)} pages, "
+                f"needs {need} for {c.prefix_len + len(c.token_ids)} tokens"
+            )
+
+    def _forward(self, chunks: list[SequenceChunk]) -> ForwardOutput:
+        """One forward over every chunk (none with reuse)."""
+        page_size = self.backend.pool.page_size
         batch = AttentionBatch(
             page_size=page_size,
             page_table=self.page_table.gather([c.row for c in chunks]),

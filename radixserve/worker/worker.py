@@ -147,9 +147,13 @@ class Worker:
             self.page_table.append(row, pages)
 
     def _run(self, batch: ForwardBatch, results: list[ChunkResult]) -> None:
+        for c in batch.chunks:
+            if c.reuse and (c.draft_len or c.input_logprobs_from >= 0):
+                raise ValueError(f"chunk of {c.rid}: segment reuse never comes with a draft or input logprobs")
         out = self.runner.forward(
             [
-                SequenceChunk(c.row, c.prefix_len, c.token_ids, all_logits=c.input_logprobs_from >= 0 or c.draft_len > 0)
+                SequenceChunk(c.row, c.prefix_len, c.token_ids, all_logits=c.input_logprobs_from >= 0 or c.draft_len > 0,
+                              reuse=tuple(c.reuse))
                 for c in batch.chunks
             ]
         )

@@ -21,6 +21,9 @@
  *   k_pool/v_pool [slots, Hkv, D]  slot = page * page_size + offset; the new tokens' K/V are
  *                                  already stored (positions prefix_len .. prefix_len + E - 1)
  *   pages                 the request's page ids, in order
+ *   positions [E] or NULL the new tokens' positions, ascending (scattered queries: a selective
+ *                         recompute); NULL = prefix_len .. prefix_len + E - 1. A new token at
+ *                         position p sees positions 0 .. p, every one already stored
  *
  * Numerics follow torch's flash attention: q.k summed in fp32 then scaled, an online softmax
  * in fp32, fp32 accumulators, the output rounded once; for bf16 the probabilities are rounded
@@ -87,6 +90,7 @@ typedef struct {
     void *out;
     int64_t H, Hkv, D, G;
     int64_t prefix_len;
+    const int64_t *positions; /* NULL: new token i sits at prefix_len + i */
     float scale;
     const uint32_t *k_packed, *v_packed; /* per kv head: see pack_keys / pack_values */
     int64_t head_stride;                 /* words of one head's packed K (and of its V) */
@@ -132,6 +136,10 @@ static void pack_values(const void *v_pool, const int64_t *slots, int64_t S, int
  * its query head. */
 static inline int64_t row_position(const Call *c, int64_t row) { return row / c->G; }
 static inline int64_t row_head(const Call *c, int64_t h, int64_t row) { return h * c->G + row % c->G; }
+/* Keys 0 .. row_limit - 1 are visible to the new token `pos`: those up to its own position. */
+static inline int64_t row_limit(const Call *c, int64_t pos) {
+    return (c->positions ? c->positions[pos] : c->prefix_len + pos) + 1;
+}
 #endif
 
 #if defined(AVX512_TILE)
@@ -235,7 +243,7 @@ static inline __attribute__((always_inline)) void attend_tile(const Call *c, int
             }
             qrow[r] = wide[r];
         }
-        limit[r] = c->prefix_len + pos + 1;
+        limit[r] = row_limit(c, pos);
     }
     const int64_t end = limit[rows - 1]; /* rows are in position order: the last sees most */
     float row_max[MAX_TILE_ROWS], row_sum[MAX_TILE_ROWS];
@@ -413,7 +421,7 @@ static inline __attribute__((always_inline)) void attend_tile_avx2(const Call *c
             _mm256_store_ps(q[r] + d, avx2_load(src + d * element_size(DT), bf16));
             _mm256_store_ps(o[r] + d, _mm256_setzero_ps());
         }
-        limit[r] = c->prefix_len + pos + 1;
+        limit[r] = row_limit(c, pos);
         row_max[r] = -FLT_MAX;
         row_sum[r] = 0.0f;
     }
@@ -482,11 +490,13 @@ static void attend_task(const Call *c, int64_t task, int64_t rows, int dtype) {
 /* Returns 0 on success, 1 when memory ran out, 2 for a shape or dtype this build cannot serve. */
 int prefill_attention(const void *q, int64_t q_row_stride, const void *k_pool, const void *v_pool,
                       const int64_t *pages, int64_t page_size, int64_t prefix_len,
-                      int64_t extend_len, void *out, int64_t H, int64_t Hkv, int64_t D,
+                      int64_t extend_len, const int64_t *positions, void *out, int64_t H, int64_t Hkv, int64_t D,
                       float scale, int dtype, int num_threads) {
 #if defined(AVX512_TILE) || defined(AVX2_TILE)
     if (!tile_serves(D, dtype) || H % Hkv != 0) return 2;
-    const int64_t S = prefix_len + extend_len, blocks = (S + KEY_BLOCK - 1) / KEY_BLOCK;
+    if (extend_len <= 0) return 0;
+    const int64_t S = (positions ? positions[extend_len - 1] : prefix_len + extend_len - 1) + 1;
+    const int64_t blocks = (S + KEY_BLOCK - 1) / KEY_BLOCK;
     const int packed = packed_dtype(dtype);
     const int64_t head_stride = blocks * KEY_BLOCK * D * element_size(packed) / 4;
     int64_t *slots = malloc(S * sizeof(int64_t));
@@ -497,7 +507,7 @@ int prefill_attention(const void *q, int64_t q_row_stride, const void *k_pool, c
         return 1;
     }
     for (int64_t j = 0; j < S; j++) slots[j] = pages[j / page_size] * page_size + j % page_size;
-    const Call call = {q, q_row_stride, out, H, Hkv, D, H / Hkv, prefix_len, scale,
+    const Call call = {q, q_row_stride, out, H, Hkv, D, H / Hkv, prefix_len, positions, scale,
                        kv, kv + Hkv * head_stride, head_stride};
     const int64_t rows = call.G * extend_len, tr = tile_rows(D);
     const int64_t tasks = Hkv * ((rows + tr - 1) / tr);
@@ -519,7 +529,7 @@ int prefill_attention(const void *q, int64_t q_row_stride, const void *k_pool, c
     return 0;
 #else
     (void)q, (void)q_row_stride, (void)k_pool, (void)v_pool, (void)pages, (void)page_size;
-    (void)prefix_len, (void)extend_len, (void)out, (void)H, (void)Hkv, (void)D, (void)scale;
+    (void)prefix_len, (void)extend_len, (void)positions, (void)out, (void)H, (void)Hkv, (void)D, (void)scale;
     (void)dtype, (void)num_threads;
     return 2;
 #endif
