@@ -12,8 +12,8 @@ deeper the layer. The selective forward for one chunk (`blend_chunk`):
 2. in each run, the `recompute` tokens whose fresh K/V at layer FULL_LAYERS - 1 differ most
    from their copies (squared L2 of the K difference plus the V difference, over heads; ties
    to the earlier position) are picked;
-3. layers FULL_LAYERS .. L - 1 run over the chunk's fresh tokens (those in no run, the last
-   one always among them) and the picked ones only, at their scattered positions
+3. layers FULL_LAYERS .. L - 1 run over the chunk's fresh tokens (those in no run; the prompt's
+   last token always among them) and the picked ones only, at their scattered positions
    (`AttentionBatch.query_positions`), attending causally over the blended context; the other
    reused tokens keep their copies in those layers.
 
@@ -45,7 +45,9 @@ most wrong. A model of at most FULL_LAYERS layers recomputes everything."""
 
 @dataclass(frozen=True)
 class BlendResult:
-    logits: torch.Tensor  # [V] float32: after the chunk's last token
+    # [V] float32 after the chunk's last token; None when that token is a copy not recomputed
+    # (a chunk inside the prompt: nothing samples after it)
+    logits: torch.Tensor | None
     recomputed: list[int]  # positions of the reused tokens picked for recompute, ascending
 
 
@@ -76,15 +78,15 @@ def copy_segment_kv(
 def check_runs(prefix_len: int, num_tokens: int, reuse: Sequence[SegmentReuse], page_size: int) -> None:
     """Raise ValueError unless the runs keep `SegmentReuse`'s and `Chunk.reuse`'s contract for a
     chunk of `num_tokens` tokens from `prefix_len`: in position order, apart, wholly inside the
-    chunk before its last token, recompute within 0 .. length, pages enough for the source."""
+    chunk, recompute within 0 .. length, pages enough for the source."""
     end = prefix_len
     for run in reuse:
         if run.length < 1 or not 0 <= run.recompute <= run.length or run.source_position < 0:
             raise ValueError(f"segment run {run}: needs length >= 1, 0 <= recompute <= length, source_position >= 0")
-        if run.position < end or run.position + run.length > prefix_len + num_tokens - 1:
+        if run.position < end or run.position + run.length > prefix_len + num_tokens:
             raise ValueError(
                 f"segment run {run}: runs must be in position order, apart, and inside the chunk "
-                f"(positions {prefix_len} .. {prefix_len + num_tokens - 1}) before its last token"
+                f"(positions {prefix_len} .. {prefix_len + num_tokens - 1})"
             )
         if len(run.pages) * page_size < run.source_position + run.length:
             raise ValueError(f"segment run {run}: {len(run.pages)} pages of {page_size} cannot hold its source")
@@ -141,9 +143,14 @@ def blend_chunk(
         keep[torch.tensor(chosen, dtype=torch.int64) - prefix_len] = True
         picked += chosen
         at += run.length
-    rows = keep.nonzero().squeeze(1)  # ascending; the chunk's last token is fresh, so it is last
+    rows = keep.nonzero().squeeze(1)  # ascending
+    if not len(rows):  # every token a copy kept as it is: nothing more to compute
+        return BlendResult(None, picked)
     backend.plan(AttentionBatch(ps, page_row, [prefix_len], [len(rows)], [(rows + prefix_len).tolist()]))
+    last_kept = bool(keep[-1])
     rows = rows.to(device)
     h, residual = model.run_layers(h[rows], residual[rows], cos[rows], sin[rows], backend, FULL_LAYERS, num_layers)
+    if not last_kept:
+        return BlendResult(None, picked)
     hidden = model.final_norm(h[-1:], residual[-1:])
     return BlendResult(model.compute_logits(hidden)[0], picked)

@@ -76,7 +76,10 @@ class ModelRunner:
         for c in chunks:
             if c.reuse:
                 pages = self.page_table.gather([c.row])
-                last.append(blend_chunk(self.model, self.backend, pages, c.prefix_len, c.token_ids, c.reuse).logits[None])
+                logits = blend_chunk(self.model, self.backend, pages, c.prefix_len, c.token_ids, c.reuse).logits
+                if logits is None:  # its last token is a copy: a chunk inside the prompt, never sampled
+                    logits = torch.full((self.model.config.vocab_size,), float("nan"), device=self.device)
+                last.append(logits[None])
                 all_logits.append(None)
             else:
                 last.append(out.last_logits[at : at + 1])

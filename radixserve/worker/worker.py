@@ -150,6 +150,8 @@ class Worker:
         for c in batch.chunks:
             if c.reuse and (c.draft_len or c.input_logprobs_from >= 0):
                 raise ValueError(f"chunk of {c.rid}: segment reuse never comes with a draft or input logprobs")
+            if c.reuse and c.sample and c.reuse[-1].position + c.reuse[-1].length == c.prefix_len + len(c.token_ids):
+                raise ValueError(f"chunk of {c.rid}: a chunk that samples must compute its last token, not copy it")
         out = self.runner.forward(
             [
                 SequenceChunk(c.row, c.prefix_len, c.token_ids, all_logits=c.input_logprobs_from >= 0 or c.draft_len > 0,

@@ -247,7 +247,7 @@ def test_runs_are_checked(model_dirs):
     pages = h.table.pages(1)
     bad = [
         ([SegmentReuse(5, 20, 0, pages, 21)], "recompute"),
-        ([SegmentReuse(10, 20, 0, pages, 0)], "inside the chunk"),  # covers the last token
+        ([SegmentReuse(11, 20, 0, pages, 0)], "inside the chunk"),  # past the chunk's end
         ([SegmentReuse(5, 10, 0, pages, 0), SegmentReuse(10, 10, 10, pages, 0)], "position order"),
         ([SegmentReuse(5, 20, 0, [], 0)], "cannot hold"),
     ]
@@ -256,6 +256,9 @@ def test_runs_are_checked(model_dirs):
             h.runner.forward([SequenceChunk(2, 0, tokens, reuse=tuple(reuse))])
     with pytest.raises(ValueError, match="last token's logits"):
         h.runner.forward([SequenceChunk(2, 0, tokens, all_logits=True, reuse=(SegmentReuse(5, 20, 0, pages, 0),))])
+    # a chunk inside the prompt may end on a copy: nothing samples after it, it has no logits
+    out = h.runner.forward([SequenceChunk(2, 0, tokens[:25], reuse=(SegmentReuse(5, 20, 0, pages, 0),))])
+    assert out.last_logits.shape[0] == 1 and torch.isnan(out.last_logits).all()
 
 
 def test_a_model_of_full_layers_only_recomputes_everything(tmp_path):
