@@ -6,6 +6,7 @@ These are plain descriptions; `ProgramState` executes them in order (see state.p
     s += fl.user("Is water wet?")
     s += fl.assistant(fl.select("answer", choices=["yes", "no"]))
     s += "Because" + ...            # plain text is appended as is
+    s += fl.segment(document)       # text whose KV the runtime may reuse wherever it sits
 """
 
 from __future__ import annotations
@@ -65,6 +66,15 @@ class Select:
 
 
 @dataclass(frozen=True)
+class Segment:
+    """Text appended to the prompt as a reusable segment (a retrieved document): the runtime may
+    reuse its KV wherever it sits in later prompts, computed once on its own (see
+    docs/frontend_lang.md)."""
+
+    text: str
+
+
+@dataclass(frozen=True)
 class RoleBegin:
     role: str
 
@@ -93,7 +103,7 @@ class Role:
         return [RoleBegin(self.role), *self.parts, RoleEnd(self.role)]
 
 
-Op = str | Gen | Select | RoleBegin | RoleEnd | SetVar
+Op = str | Segment | Gen | Select | RoleBegin | RoleEnd | SetVar
 
 
 def gen(
@@ -148,6 +158,23 @@ def select(name: str | None = None, choices: Sequence[str] = (), *, normalize: b
     return Select(name=name, choices=tuple(choices), normalize=normalize)
 
 
+def segment(text: str) -> Segment:
+    """Append `text` as a reusable segment: `s += fl.segment(document)`.
+
+    It is part of the prompt like any text, but every call made after it sends the prompt as
+    segments (the runtime's `segments` API), so the runtime can reuse this text's KV wherever it
+    sits, whatever came before it: RAG documents retrieved in a different order each time still
+    hit. Only segment texts are reused; the text around them is computed in context. Each
+    segment is tokenized on its own, so write the separators (newlines) into the texts.
+    """
+    if not isinstance(text, str) or not text:
+        raise ValueError("fl.segment needs a non-empty string")
+    return Segment(text)
+
+
+document = segment  # the same primitive, named for what it usually holds
+
+
 def system(*parts: Any) -> Role:
     """A system block: `s += fl.system("You are terse.")`."""
     return Role("system", parts)
@@ -193,13 +220,13 @@ def assistant_end() -> RoleEnd:
 
 def flatten(item: Any) -> list[Op]:
     """What `s += item` means as a list of operations; TypeError for anything else."""
-    if isinstance(item, (str, Gen, Select, RoleBegin, RoleEnd, SetVar)):
+    if isinstance(item, (str, Segment, Gen, Select, RoleBegin, RoleEnd, SetVar)):
         return [item]
     if isinstance(item, Role):
         return [op for part in item.expand() for op in flatten(part)]
     if isinstance(item, (list, tuple)):
         return [op for part in item for op in flatten(part)]
     raise TypeError(
-        f"cannot add a {type(item).__name__} to a program state; add text, fl.gen, fl.select "
-        "or a role block"
+        f"cannot add a {type(item).__name__} to a program state; add text, fl.segment, fl.gen, "
+        "fl.select or a role block"
     )

@@ -11,7 +11,8 @@ forks concurrent:
 
 Prefix sharing is by construction: a state's text only grows, so each call's prompt extends the
 previous call's, and the runtime's radix cache finds it. Every call's `cached_tokens` is
-recorded, so `cache_stats()` measures the sharing instead of assuming it.
+recorded, so `cache_stats()` measures the sharing instead of assuming it. Text added with
+`fl.segment` is shared wherever it sits: a state that has some sends its prompt as segments.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, overload
 
-from frontend_lang.primitives import Gen, Op, RoleBegin, RoleEnd, Select, SetVar, flatten
+from frontend_lang.primitives import Gen, Op, RoleBegin, RoleEnd, Segment, Select, SetVar, flatten
 
 if TYPE_CHECKING:
     from frontend_lang.backends.base import Backend
@@ -156,6 +157,8 @@ class ProgramState:
         self._run = run
         self._serial = _Serial(f"frontend_lang-state-{len(run.states)}")
         self._text = parent._text if parent else ""
+        # the `fl.segment` texts' character ranges [start, end) in _text, in order
+        self._segments: list[tuple[int, int]] = list(parent._segments) if parent else []
         self._vars: dict[str, Any] = dict(parent._vars) if parent else {}
         self._meta: dict[str, Any] = dict(parent._meta) if parent else {}
         self._messages: list[dict[str, str]] = [dict(m) for m in parent._messages] if parent else []
@@ -203,7 +206,7 @@ class ProgramState:
             raise ValueError(f"fork needs a positive number of branches, got {k!r}")
         self._serial.wait()
         if k > 1 and self._text:
-            out = self._run.backend.generate({"text": self._text, "sampling_params": {"max_new_tokens": 0}})
+            out = self._run.backend.generate({**self._prompt(), "sampling_params": {"max_new_tokens": 0}})
             self._run.record("fork", None, out["meta_info"])
         group = ForkGroup([ProgramState(self._run, parent=self) for _ in range(k)])
         self.forks.append(group)
@@ -314,6 +317,10 @@ class ProgramState:
     def _execute(self, op: Op) -> None:
         if isinstance(op, str):
             self._append(op)
+        elif isinstance(op, Segment):
+            start = len(self._text)
+            self._append(op.text)
+            self._segments.append((start, len(self._text)))
         elif isinstance(op, Gen):
             self._gen(op)
         elif isinstance(op, Select):
@@ -341,9 +348,32 @@ class ProgramState:
             self._finished.add(name)
             self._run.cond.notify_all()
 
+    def _prompt(self) -> dict[str, Any]:
+        """The prompt's fields of a /generate call: `text`, or with `fl.segment` texts in it,
+        `segments` (the ordinary stretches and the segment texts in order) with `segment_reuse`
+        marking the segment texts, the only pieces the runtime may reuse. The last piece is
+        computed in context whatever it is (it is where the gen continues)."""
+        if not self._segments:
+            return {"text": self._text}
+        pieces: list[str] = []
+        reuse: list[bool] = []
+        at = 0
+        for start, end in self._segments:
+            if start > at:
+                pieces.append(self._text[at:start])
+                reuse.append(False)
+            pieces.append(self._text[start:end])
+            reuse.append(True)
+            at = end
+        if at < len(self._text):
+            pieces.append(self._text[at:])
+            reuse.append(False)
+        reuse[-1] = False
+        return {"segments": pieces, "segment_reuse": reuse}
+
     def _gen(self, op: Gen) -> None:
         backend = self._run.backend
-        request = {"text": self._text, "sampling_params": {**self._run.default_sampling, **op.sampling}}
+        request = {**self._prompt(), "sampling_params": {**self._run.default_sampling, **op.sampling}}
         if int(request["sampling_params"].get("n") or 1) > 1:
             if self._role is not None:
                 raise ValueError(

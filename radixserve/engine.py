@@ -67,14 +67,22 @@ class Engine:
         sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
         input_ids: list[int] | list[list[int]] | None = None,
         stream: bool = False,
+        *,
+        segments: list[str] | None = None,
+        segment_recompute_ratio: float | None = None,
         **kwargs: Any,
     ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
         """Generate for one prompt (a dict back) or a list (a list back, n results per prompt).
 
+        `segments` instead of `prompt` / `input_ids`: one prompt as pieces, whose pieces but the
+        last (the question) may reuse cached KV wherever they sit; `segment_recompute_ratio`
+        overrides the engine's share of their tokens recomputed (docs/engine.md).
         kwargs: return_logprob, logprob_start_len, top_logprobs_num, return_text_in_logprobs,
-        rid, cache_salt. With `stream=True` (one prompt), an iterator of cumulative results.
-        Raises `InvalidRequest` for bad input and `RequestFailed` when a request cannot be served.
+        rid, cache_salt, segment_reuse. With `stream=True` (one prompt), an iterator of cumulative
+        results. Raises `InvalidRequest` for bad input and `RequestFailed` when a request cannot
+        be served.
         """
+        kwargs.update(segments=segments, segment_recompute_ratio=segment_recompute_ratio)
         requests, is_batch = self._build(prompt, input_ids, sampling_params, kwargs)
         if stream:
             return self._stream_sync(requests)
@@ -86,9 +94,13 @@ class Engine:
         sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
         input_ids: list[int] | list[list[int]] | None = None,
         stream: bool = False,
+        *,
+        segments: list[str] | None = None,
+        segment_recompute_ratio: float | None = None,
         **kwargs: Any,
     ) -> dict[str, Any] | list[dict[str, Any]] | AsyncIterator[dict[str, Any]]:
         """`generate` for asyncio callers; with `stream=True` an async iterator."""
+        kwargs.update(segments=segments, segment_recompute_ratio=segment_recompute_ratio)
         requests, is_batch = self._build(prompt, input_ids, sampling_params, kwargs)
         if stream:
             return self._stream_async(requests)
@@ -98,7 +110,7 @@ class Engine:
     def _build(self, prompt: Any, input_ids: Any, sampling_params: Any, kwargs: dict[str, Any]) -> tuple[list[GenerateRequest], bool]:
         return build_requests(
             self.tokenizer, self.ready, self.limits, text=prompt, input_ids=input_ids,
-            sampling_params=sampling_params, **kwargs,
+            sampling_params=sampling_params, default_recompute_ratio=self.config.segment_recompute_ratio, **kwargs,
         )
 
     async def _collect(self, requests: list[GenerateRequest], is_batch: bool) -> Any:

@@ -15,6 +15,7 @@ context, and the server refuses it without tokenizing.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -86,6 +87,27 @@ def encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     return list(tokenizer(text).input_ids)
 
 
+def encode_continuation(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """Token ids of text that follows other text in a prompt (a segment after the first): no
+    special tokens, since the BOS belongs at the prompt's start only."""
+    return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def reusable_spans(lengths: Sequence[int], reusable: Sequence[bool]) -> list[tuple[int, int]]:
+    """The token spans [start, end) of the pieces of a prompt (their token counts, in order)
+    that may be reused from the segment cache: pieces without tokens have none, and a piece
+    that ends the prompt is computed in context whatever it is (its last token's logits are
+    the ones sampled from)."""
+    spans, start = [], 0
+    for length, reuse in zip(lengths, reusable, strict=True):
+        if reuse and length:
+            spans.append((start, start + length))
+        start += length
+    if spans and spans[-1][1] == start:
+        spans.pop()
+    return spans
+
+
 def apply_chat_template(
     tokenizer: PreTrainedTokenizerBase,
     messages: Any,
@@ -100,11 +122,7 @@ def apply_chat_template(
     Raises ValueError for a tokenizer without a template, malformed messages, or a template
     that rejects the conversation (e.g. roles that do not alternate).
     """
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(
-            "this model's tokenizer has no chat template; send plain text to /generate or "
-            "/v1/completions instead"
-        )
+    _check_has_template(tokenizer)
     chat = normalize_messages(messages)
     from jinja2 import TemplateError
 
@@ -122,11 +140,105 @@ def apply_chat_template(
     return list(ids)
 
 
-def normalize_messages(messages: Any) -> list[dict[str, Any]]:
+def _check_has_template(tokenizer: Any) -> None:
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            "this model's tokenizer has no chat template; send plain text to /generate or "
+            "/v1/completions instead"
+        )
+
+
+class ChatSegments:
+    """The content parts of a conversation marked ``"segment": true`` (segment reuse, see
+    docs/server.md), collected by `normalize_messages`.
+
+    Each part's text is replaced by a placeholder while the template renders, so the rendered
+    text can be cut around it and the part tokenized on its own: its tokens are then the same
+    wherever the part sits, which is what lets the segment cache reuse them. A placeholder
+    carries a random nonce, so no client text can contain one by chance or on purpose.
+    """
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+        self._nonce = uuid.uuid4().hex
+
+    def placeholder(self, index: int) -> str:
+        return f"[radixserve-segment-{self._nonce}-{index}]"
+
+    def add(self, text: str) -> str:
+        """Record a segment part's text; the placeholder that stands for it in the message."""
+        self.texts.append(text)
+        return self.placeholder(len(self.texts) - 1)
+
+
+def apply_chat_template_segments(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Any,
+    segments: ChatSegments,
+    add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
+) -> tuple[list[int], list[tuple[int, int]]]:
+    """Token ids of a chat whose messages hold `segments`' placeholders, and the span of each
+    segment part's tokens.
+
+    The template renders with the placeholders; the text is cut at each one, and the pieces and
+    the parts are tokenized separately, each without special tokens (the template writes them),
+    and concatenated. Control tokens in message text stay ordinary text, as in
+    `apply_chat_template`: the messages are marked the way transformers' own
+    ``sanitize_control_tokens`` marks them, and every piece is encoded by the same rule. A
+    template that drops or repeats a segment part is refused: its span would mean nothing.
+    """
+    _check_has_template(tokenizer)
+    chat = normalize_messages(messages)
+    from jinja2 import TemplateError
+
+    try:
+        template = tokenizer.get_chat_template(None, tools)
+        # transformers' own marking of client strings (what apply_chat_template(...,
+        # sanitize_control_tokens=True) does before rendering), with the segment texts as
+        # `documents`, a list it marks string by string
+        marked, marked_tools, marked_texts, _ = tokenizer._mark_chat_inputs(
+            template, [chat], tools, list(segments.texts), {}, True, False,
+        )
+        rendered = tokenizer.apply_chat_template(
+            marked[0], add_generation_prompt=add_generation_prompt, tokenize=False,
+            **({"tools": marked_tools} if marked_tools else {}),
+        )
+    except (TemplateError, TypeError) as e:
+        raise ValueError(f"the chat template rejected these messages: {e}") from e
+    cuts = []
+    for i in range(len(segments.texts)):
+        placeholder = segments.placeholder(i)
+        found = rendered.count(placeholder)
+        if found != 1:
+            raise ValueError(
+                f"the chat template writes segment part {i} {'nowhere' if found == 0 else f'{found} times'}; "
+                "mark parts of messages the template renders once as segments"
+            )
+        cuts.append((rendered.index(placeholder), placeholder, i))
+    cuts.sort()
+
+    def piece_ids(text: str) -> list[int]:
+        return list(tokenizer(text, add_special_tokens=False, sanitize_control_tokens=True).input_ids) if text else []
+
+    pieces: list[list[int]] = []
+    at = 0
+    for position, placeholder, i in cuts:
+        pieces.append(piece_ids(rendered[at:position]))
+        pieces.append(piece_ids(marked_texts[i]))
+        at = position + len(placeholder)
+    pieces.append(piece_ids(rendered[at:]))
+    is_segment = [k % 2 == 1 for k in range(len(pieces))]
+    return [t for piece in pieces for t in piece], reusable_spans([len(p) for p in pieces], is_segment)
+
+
+def normalize_messages(messages: Any, segments: ChatSegments | None = None) -> list[dict[str, Any]]:
     """Check OpenAI-style messages and flatten list-of-parts content into one string.
 
     Text parts are joined with newlines (as vLLM does); other parts (images, audio) are refused.
-    An assistant message carrying ``tool_calls`` may have null content.
+    An assistant message carrying ``tool_calls`` may have null content. A text part may carry
+    ``"segment": true``: given `segments`, its text is recorded there and a placeholder stands
+    for it in the content (`apply_chat_template_segments`); without, it is ordinary text.
     """
     if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
         raise ValueError("messages must be a non-empty list of {role, content} objects")
@@ -142,13 +254,13 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
         content = message.get("content")
         if content is None and role == "assistant" and message.get("tool_calls"):
             content = ""
-        normalized = {"role": role, "content": _content_text(content, f"messages[{i}].content")}
+        normalized = {"role": role, "content": _content_text(content, f"messages[{i}].content", segments)}
         normalized.update({k: message[k] for k in _PASSTHROUGH_KEYS if message.get(k) is not None})
         chat.append(normalized)
     return chat
 
 
-def _content_text(content: Any, where: str) -> str:
+def _content_text(content: Any, where: str, segments: ChatSegments | None) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -163,5 +275,10 @@ def _content_text(content: Any, where: str) -> str:
         text = part.get("text")
         if not isinstance(text, str):
             raise ValueError(f"{where}[{j}].text must be a string")
-        texts.append(text)
+        segment = part.get("segment")
+        if segment is not None and type(segment) is not bool:
+            raise ValueError(f"{where}[{j}].segment must be a boolean")
+        if segment and not text:
+            raise ValueError(f"{where}[{j}] is a segment without text; a segment needs a non-empty text")
+        texts.append(segments.add(text) if segment and segments is not None else text)
     return "\n".join(texts)

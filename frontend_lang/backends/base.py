@@ -25,8 +25,9 @@ class Backend(ABC):
 
     @abstractmethod
     def generate(self, request: dict[str, Any]) -> Any:
-        """One /generate call: `request` has /generate's fields (`text`, `sampling_params`,
-        `return_logprob`, `logprob_start_len`, ...) but not `stream`. Returns /generate's answer:
+        """One /generate call: `request` has /generate's fields (`text`, or `segments` with
+        `segment_reuse`; `sampling_params`, `return_logprob`, `logprob_start_len`, ...) but not
+        `stream`. Returns /generate's answer:
         a result dict, or a list for a batch of texts or `n > 1`. Raises BackendError."""
 
     @abstractmethod

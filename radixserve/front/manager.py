@@ -309,6 +309,8 @@ class TokenizerManager:
             "prompt_tokens": state.prompt_tokens,
             "completion_tokens": len(state.output_ids),
             "cached_tokens": state.cached_tokens,
+            "segment_tokens": state.segment_tokens,
+            "recomputed_tokens": state.recomputed_tokens,
             "finish_reason": state.finish,
             "e2e_latency": now - start,
         }

@@ -99,6 +99,7 @@ class LiveRequest:
             logprob_start_len=-1 if self.prompt_logprobs_received else req.logprob_start_len,
             top_logprobs_num=req.top_logprobs_num, cache_salt=req.cache_salt,
             resume=resume, isolate=self.crashes > 0,
+            segments=req.segments, segment_recompute_ratio=req.segment_recompute_ratio,
         )
 
 

@@ -42,6 +42,8 @@ class SampleOutput:
         self.text = ""  # all text so far; `visible_text` is what a caller may be shown
         self.finish: dict[str, Any] | None = None
         self.cached_tokens = 0
+        self.segment_tokens = 0  # of the cached tokens, those reused from the segment cache
+        self.recomputed_tokens = 0  # of those, recomputed in context
         self.prompt_tokens = 0
         self.output_logprobs: list[float] = []
         self.output_top_logprobs: list[list[tuple[int, float]]] = []
@@ -56,6 +58,7 @@ class SampleOutput:
         self.output_ids.extend(out.new_token_ids)
         self.text += self._detok.add(out.new_token_ids)  # one add per output, as the scheduler's
         self.prompt_tokens, self.cached_tokens = out.prompt_tokens, out.cached_tokens
+        self.segment_tokens, self.recomputed_tokens = out.segment_tokens, out.recomputed_tokens
         if out.spec_accepted_tokens is not None:
             self.spec_accepted_tokens = out.spec_accepted_tokens
         self.output_logprobs.extend(out.output_logprobs)

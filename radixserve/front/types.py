@@ -7,6 +7,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixserve.config import ServerConfig
 from radixserve.protocol import SamplingParams
 
 _JSON_TYPES = {
@@ -104,3 +105,7 @@ class GenerateRequest:
     return_text_in_logprobs: bool = False
     cache_salt: str | None = None
     tenant: str | None = None  # from the API key (--api-key-file); only the front's metrics read it
+    # reusable segments: token spans [start, end) of input_ids (`TokenizedRequest.segments`),
+    # and the share of their tokens to recompute, resolved (the request's, else the server's)
+    segments: list[tuple[int, int]] = field(default_factory=list)
+    segment_recompute_ratio: float = ServerConfig.segment_recompute_ratio

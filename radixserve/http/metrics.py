@@ -60,6 +60,9 @@ _COUNTERS = (
     ("kv_disk_store_seconds", "Time the disk tier's writer spent writing (bytes / seconds: store throughput).", "kv_disk_store_seconds_total"),
     ("kv_disk_load_seconds", "Time the worker spent copying pages loaded from disk into the pool.", "kv_disk_load_seconds_total"),
     ("kv_disk_corrupt_pages", "Disk tier files dropped for a bad size, header or checksum (never served).", "kv_disk_corrupt_pages_total"),
+    ("segment_reused_tokens", "Prompt tokens whose KV came from the segment cache (requests' `segments`; "
+     "counted in radixserve_cached_prompt_tokens too).", "segment_reused_tokens_total"),
+    ("segment_recomputed_tokens", "Of the segment tokens reused, those recomputed in context.", "segment_recomputed_tokens_total"),
 )
 
 

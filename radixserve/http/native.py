@@ -39,6 +39,7 @@ PROBE_WHEN_IDLE_FOR_S = 5.0  # /health runs a one-token request when no step ran
 _GENERATE_FIELDS = frozenset({
     "text", "input_ids", "sampling_params", "stream", "return_logprob", "logprob_start_len",
     "top_logprobs_num", "return_text_in_logprobs", "rid", "cache_salt",
+    "segments", "segment_reuse", "segment_recompute_ratio",
 })
 # SGLang fields we do not implement: accepted only when null, false or empty (never 0: a
 # typo'd or unknown field is an error whatever its value)
@@ -232,7 +233,10 @@ async def generate(request: Request) -> Response:
     stream = _check_generate_fields(body)
     state.check_model(body.get("model"))  # SGLang's router adds `model` (null unless the client gave one)
     fields = {k: body[k] for k in _GENERATE_FIELDS - {"stream"} if body.get(k) is not None}
-    requests, is_batch = await state.prepare(build_requests, state.tokenizer, state.ready, state.limits, **fields)
+    requests, is_batch = await state.prepare(
+        build_requests, state.tokenizer, state.ready, state.limits,
+        default_recompute_ratio=state.config.segment_recompute_ratio, **fields,
+    )
     scope_requests(request.scope, requests)
     many = is_batch or sum(r.sampling.n for r in requests) > 1
     if stream:

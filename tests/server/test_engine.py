@@ -176,6 +176,46 @@ def test_bad_input_is_a_clear_error(engine):
     assert engine.generate("hi", {"max_new_tokens": 1})["meta_info"]["completion_tokens"] == 1
 
 
+SEGMENTS = ["Document 1: the quick brown fox.\n", "Document 2: seven wizards judge boxing.\n", "Question: who judges?"]
+
+
+def _concatenated(eng: Engine, segments: list[str]) -> list[int]:
+    from radixserve.tokenizer import encode, encode_continuation
+
+    return encode(eng.tokenizer, segments[0]) + [t for s in segments[1:] for t in encode_continuation(eng.tokenizer, s)]
+
+
+def test_generate_with_segments(engine):
+    params = {**GREEDY, "max_new_tokens": 3, "ignore_eos": True}
+    out = engine.generate(segments=SEGMENTS, sampling_params=params, segment_recompute_ratio=0.25)
+    meta = out["meta_info"]
+    assert meta["prompt_tokens"] == len(_concatenated(engine, SEGMENTS)) and meta["completion_tokens"] == 3
+    assert 0 <= meta["recomputed_tokens"] <= meta["segment_tokens"] <= meta["cached_tokens"]
+    streamed = list(engine.generate(segments=SEGMENTS, sampling_params=params, stream=True))
+    assert streamed[-1]["meta_info"]["finish_reason"] is not None and "segment_tokens" in streamed[-1]["meta_info"]
+
+    async def run() -> dict:
+        return await engine.async_generate(segments=SEGMENTS, sampling_params=params)
+
+    assert asyncio.run(run())["meta_info"]["prompt_tokens"] == meta["prompt_tokens"]
+    with pytest.raises(InvalidRequest, match="`segments` cannot be combined with `text`"):
+        engine.generate("hi", segments=SEGMENTS)
+    with pytest.raises(InvalidRequest, match="`segment_recompute_ratio` must be a number from 0 to 1"):
+        engine.generate(segments=SEGMENTS, segment_recompute_ratio=True)
+    with pytest.raises(InvalidRequest, match=r"`segments\[0\]` must be a non-empty string"):
+        engine.generate(segments=[""])
+    assert_pages_balanced(engine)
+
+
+def test_segments_with_the_segment_cache_off_equal_the_concatenated_prompt(tiny_dir):
+    params = {**GREEDY, "max_new_tokens": 8, "ignore_eos": True}
+    with Engine(model=str(tiny_dir), dtype="float32", page_size=4, kv_pages=512, disable_segment_cache=True) as eng:
+        out = eng.generate(segments=SEGMENTS, sampling_params=params)
+        plain = eng.generate(input_ids=_concatenated(eng, SEGMENTS), sampling_params=params)
+        assert out["output_ids"] == plain["output_ids"] and out["text"] == plain["text"]
+        assert out["meta_info"]["segment_tokens"] == 0 and eng.get_stats()["segment_reused_tokens_total"] == 0
+
+
 def test_a_callers_rid_is_a_label_that_cannot_reach_another_request(engine):
     """rid `x#1` once named sample 1 of rid `x` inside the runtime, and the worker died of it."""
     params = [{**GREEDY, "n": 2, "max_new_tokens": 2}, {**GREEDY, "max_new_tokens": 12, "ignore_eos": True}]

@@ -58,7 +58,7 @@ def oracle(engine) -> Callable[[dict[str, Any]], Any]:
 
     def call(request: dict[str, Any]) -> Any:
         request = dict(request)
-        return engine.generate(request.pop("text"), **request)
+        return engine.generate(request.pop("text", None), **request)
 
     return call
 
@@ -461,3 +461,91 @@ def test_forks_run_concurrently(backend):
 
     state = fan_out.run(backend=Counting(backend.engine))
     assert len(state.return_value) == 4 and peak[0] >= 2
+
+
+class Recording(fl.Backend):
+    """A backend that passes every call on to `inner` and keeps the requests it sent."""
+
+    def __init__(self, inner: fl.Backend) -> None:
+        self.inner = inner
+        self.requests: list[dict[str, Any]] = []
+
+    def generate(self, request: dict[str, Any]) -> Any:
+        self.requests.append(request)
+        return self.inner.generate(request)
+
+    def generate_stream(self, request: dict[str, Any]) -> Any:
+        self.requests.append(request)
+        return self.inner.generate_stream(request)
+
+    @property
+    def chat_template(self) -> fl.ChatTemplate:
+        return self.inner.chat_template
+
+
+@fl.function
+def rag(s, docs, question):
+    s += fl.system("Answer from the documents.")
+    with s.user():
+        for i, doc in enumerate(docs):
+            s += f"Document {i + 1}:\n"
+            s += fl.segment(doc)
+        s += f"Question: {question}"
+    s += fl.assistant(fl.gen("answer", max_tokens=4, **GREEDY))
+
+
+def test_segments_are_sent_as_segments_and_only_their_texts_are_reusable(backend, oracle, tokenizer):
+    docs = ["The Loire is the longest river in France.\n", "The Seine flows through Paris.\n"]
+    recording = Recording(backend)
+    state = rag.run(docs=docs, question="Which river flows through Paris?", backend=recording)
+    (request,) = recording.requests
+    assert "text" not in request
+    pieces, reuse = request["segments"], request["segment_reuse"]
+    prompt = state.text()[: -len(state["answer"]) - len(backend.chat_template.end("assistant"))]
+    assert "".join(pieces) == prompt
+    assert [p for p, r in zip(pieces, reuse, strict=True) if r] == docs  # the documents, nothing else
+    assert pieces[1] == docs[0] and pieces[2] == "Document 2:\n" and not reuse[2] and not reuse[-1]
+    meta = state.meta_info("answer")
+    assert {"segment_tokens", "recomputed_tokens"} <= set(meta)
+    assert 0 <= meta["recomputed_tokens"] <= meta["segment_tokens"] <= meta["cached_tokens"]
+    # the runtime's own answer to the same segments: the same prompt, token for token
+    by_hand = oracle({**request, "sampling_params": {"max_new_tokens": 0}})
+    assert by_hand["meta_info"]["prompt_tokens"] == meta["prompt_tokens"]
+    ids = tokenizer(pieces[0]).input_ids + [t for p in pieces[1:] for t in tokenizer(p, add_special_tokens=False).input_ids]
+    assert meta["prompt_tokens"] == len(ids)
+
+
+def test_programs_without_segments_send_text_as_before(backend):
+    recording = Recording(backend)
+    state = chat.run(question="Is water wet?", backend=recording)
+    assert state["answer"] is not None
+    assert all("segments" not in r and "segment_reuse" not in r and isinstance(r["text"], str) for r in recording.requests)
+
+
+def test_forks_and_segments_at_the_edges(backend):
+    assert fl.document is fl.segment
+    with pytest.raises(ValueError, match="fl.segment needs a non-empty string"):
+        fl.segment("")
+
+    @fl.function
+    def edges(s):
+        s += fl.segment("A first document.\n")
+        s += fl.segment("A second document.\n")
+        branches = s.fork(2)
+        for i, b in enumerate(branches):
+            b += f"Question {i}: why?"
+            b += fl.gen("answer", max_tokens=2, **GREEDY)
+        branches.join()
+        s += fl.segment("A last document.")
+        s += fl.gen("tail", max_tokens=2, **GREEDY)
+
+    recording = Recording(backend)
+    edges.run(backend=recording)
+    fork_call, *gens = recording.requests
+    # the fork's prefix ends with a segment: the last piece is computed in context
+    assert fork_call["segments"] == ["A first document.\n", "A second document.\n"]
+    assert fork_call["segment_reuse"] == [True, False]
+    for branch in gens[:2]:
+        assert branch["segments"][-1] in ("Question 0: why?", "Question 1: why?")
+        assert branch["segment_reuse"] == [True, True, False], branch
+    assert gens[2]["segments"][-1] == "A last document." and gens[2]["segment_reuse"][-1] is False

@@ -110,6 +110,31 @@ CASES = {
     "denormal temperature": (*_sp(temperature=1e-45), 400, "temperature"),
     "huge integer temperature": (*_sp(temperature=10**400), 400, "temperature"),
     "tiny repetition_penalty": (*_sp(repetition_penalty=1e-300), 400, "repetition_penalty"),
+    # segments
+    "segments not a list": (*_gen(segments="a document"), 400, "`segments` must be a list"),
+    "empty segments": (*_gen(segments=[]), 400, "`segments` is empty"),
+    "too many segments": (*_gen(segments=["a"] * 65), 400, "at most 64"),
+    "segment not a string": (*_gen(segments=["a", 5]), 400, "`segments[1]` must be a non-empty string"),
+    "empty segment": (*_gen(segments=["a", ""]), 400, "`segments[1]` must be a non-empty string"),
+    "segments and text": (*_gen(segments=["a"], text="b"), 400, "cannot be combined with `text`"),
+    "segments and input_ids": (*_gen(segments=["a"], input_ids=[1]), 400, "cannot be combined with `input_ids`"),
+    "a batch of segment lists": (*_gen(segments=[["a", "b"], ["c"]]), 400, "batch"),
+    "segment_recompute_ratio over 1": (*_gen(segments=["a", "b"], segment_recompute_ratio=1.5), 400, "segment_recompute_ratio"),
+    "segment_recompute_ratio boolean": (*_gen(segments=["a", "b"], segment_recompute_ratio=True), 400, "segment_recompute_ratio"),
+    "segment_reuse of the wrong length": (*_gen(segments=["a", "b"], segment_reuse=[True]), 400, "segment_reuse"),
+    "segments longer than the context": (*_gen(segments=["hi " * 1200, "hi " * 1200]), 400, "context length"),
+    "completions segments and prompt": (*_cmpl(segments=["a", "b"]), 400, "cannot be combined with `prompt`"),
+    "completions segments not a list": ("POST", "/v1/completions", {"model": "tiny", "segments": "a"}, 400, "`segments` must be a list"),
+    "completions segment_recompute_ratio": (
+        "POST", "/v1/completions", {"model": "tiny", "segments": ["a", "b"], "segment_recompute_ratio": -1}, 400,
+        "segment_recompute_ratio"),
+    "chat segment flag not a boolean": (
+        *_chat(messages=[{"role": "user", "content": [{"type": "text", "text": "x", "segment": "yes"}]}]), 400, "segment must be a boolean"),
+    "chat segment without text": (
+        *_chat(messages=[{"role": "user", "content": [{"type": "text", "text": "", "segment": True}]}]), 400, "segment without text"),
+    "chat too many segment parts": (
+        *_chat(messages=[{"role": "user", "content": [{"type": "text", "text": "x", "segment": True}] * 65}]), 400, "at most 64"),
+    "chat segment_recompute_ratio a string": (*_chat(segment_recompute_ratio="high"), 400, "segment_recompute_ratio"),
     # OpenAI routes
     "completions without prompt": ("POST", "/v1/completions", {"model": "tiny"}, 400, "prompt"),
     "completions prompt is an object": (*_cmpl(prompt={"a": 1}), 400, "prompt"),
@@ -212,6 +237,12 @@ def test_every_kind_of_bad_input_gets_a_4xx_with_a_message(server):
         ("/generate", {"text": "hi", "cache_salt": ""}, "cache_salt"),
         ("/v1/completions", {"prompt": ""}, "prompt"),
         ("/v1/completions", {"prompt": "hi", "logit_bias": {"\u00b2": 1}}, "logit_bias"),
+        ("/generate", {"segments": ["a", ""]}, "segments"),
+        ("/generate", {"segments": ["a", "b"], "segment_recompute_ratio": 2}, "segment_recompute_ratio"),
+        ("/v1/completions", {"prompt": "hi", "segments": ["a"]}, "segments"),
+        ("/v1/chat/completions", {"messages": USER, "segment_recompute_ratio": False}, "segment_recompute_ratio"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "segment": 1}]}]},
+         "messages"),
     ],
 )
 def test_the_error_names_the_field_the_client_sent(server, path, body, param):

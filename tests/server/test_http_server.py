@@ -161,7 +161,8 @@ def test_metrics_are_exposed_and_move_as_requests_complete(client):
         "radixserve_prompt_tokens_total", 'radixserve_cached_prompt_tokens_total{tier="memory"}',
         'radixserve_cached_prompt_tokens_total{tier="disk"}', "radixserve_generation_tokens_total",
         "radixserve_time_to_first_token_seconds_count", "radixserve_time_per_output_token_seconds_count",
-        "radixserve_e2e_request_latency_seconds_count",
+        "radixserve_e2e_request_latency_seconds_count", "radixserve_segment_reused_tokens_total",
+        "radixserve_segment_recomputed_tokens_total",
     ):
         assert name in before, name
     body = {"text": LONG_PROMPT, "sampling_params": {**GREEDY, "max_new_tokens": 5, "ignore_eos": True}}
@@ -177,6 +178,26 @@ def test_metrics_are_exposed_and_move_as_requests_complete(client):
         key = f"radixserve_{hist}_count"
         assert after[key] - before[key] == 2, hist
     assert after["radixserve_num_running_requests"] == 0
+
+
+def test_generate_with_segments_reports_what_was_reused(client, engine):
+    """With the segment cache on (the default): the answer's shape and its counts; the same
+    segments in another order reuse what the first request computed (as far as the scheduler
+    does: at most every segment token, never more than were cached)."""
+    from radixserve.tokenizer import encode, encode_continuation
+
+    docs = [f"Document {i}: {' '.join(['river'] * (8 + i))}.\n" for i in range(3)]
+    params = {**GREEDY, "max_new_tokens": 4, "ignore_eos": True}
+    for order in (docs, docs[::-1]):
+        segments = [*order, "Question: which document is longest?"]
+        r = client.post("/generate", json={"segments": segments, "sampling_params": params})
+        assert r.status_code == 200, r.text
+        out = r.json()
+        meta = out["meta_info"]
+        ids = encode(engine.tokenizer, segments[0]) + [t for s in segments[1:] for t in encode_continuation(engine.tokenizer, s)]
+        assert meta["prompt_tokens"] == len(ids) and meta["completion_tokens"] == 4 and isinstance(out["text"], str)
+        assert 0 <= meta["recomputed_tokens"] <= meta["segment_tokens"] <= meta["cached_tokens"] < len(ids)
+        assert meta["segment_tokens"] <= len(ids) - len(encode_continuation(engine.tokenizer, segments[-1]))
 
 
 def test_flush_cache_empties_the_tree(client, server):

@@ -186,3 +186,32 @@ def test_errors_have_openai_shape(client, server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
     r = httpx.post(server.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "stream": "yes"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
+
+
+DOCS = ["Document 1: the river runs north past the mill.\n", "Document 2: the hill behind the mill is green.\n"]
+
+
+def test_segments_through_the_openai_client(client, engine):
+    """`segments` in place of `prompt`, and chat text parts with `"segment": true`, sent as a
+    client sends extensions; usage carries the segment counts next to cached_tokens."""
+    from radixserve.tokenizer import encode, encode_continuation
+
+    segments = [*DOCS, "Question: which way does the river run?"]
+    out = client.completions.create(model=MODEL, prompt=None, max_tokens=4, temperature=0,
+                                    extra_body={"segments": segments, "segment_recompute_ratio": 0.2, "ignore_eos": True})
+    ids = encode(engine.tokenizer, segments[0]) + [t for s in segments[1:] for t in encode_continuation(engine.tokenizer, s)]
+    assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == 4
+    details = out.usage.prompt_tokens_details
+    assert 0 <= details.recomputed_tokens <= details.segment_tokens <= details.cached_tokens
+
+    parts = [{"type": "text", "text": d, "segment": True} for d in DOCS]
+    messages = [{"role": "user", "content": [*parts, {"type": "text", "text": "Which way does the river run?"}]}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                          extra_body={"segment_recompute_ratio": 0.2})
+    details = chat.usage.prompt_tokens_details
+    assert chat.choices[0].message.content is not None and details.segment_tokens >= 0
+    # a part list without segment flags is the joined text, exactly as before
+    plain = [{"role": "user", "content": [{"type": "text", "text": d} for d in DOCS]}]
+    joined = [{"role": "user", "content": "\n".join(DOCS)}]
+    assert client.chat.completions.create(model=MODEL, messages=plain, max_tokens=6, temperature=0).choices[0].message.content == \
+        _chat_ref(engine, joined, 6)["text"]

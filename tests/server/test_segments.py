@@ -1,7 +1,8 @@
 """Segments on real servers over HTTP (`segments` on /generate; docs/cache.md): recomputing every
 copied token gives a plain request's greedy output (fp32, page sizes 1 and 16); a blend's output
 does not depend on what the cache held or on the order it was first seen in; a segment read
-back from the disk tier gives the same output; and pages balance after aborts mid-blend."""
+back from the disk tier gives the same output; and pages balance after aborts mid-blend.
+test_segments_api.py has the API's shapes on every route, with the segment cache off."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 from http_helpers import Server, assert_pages_balanced, metric_samples
-from transformers import AutoTokenizer
+
+from radixserve.tokenizer import encode, encode_continuation, load_tokenizer
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 INSTRUCTION = "Answer the question from the documents below.\n\n"
@@ -30,7 +32,7 @@ def model(tiny_model) -> Path:
 
 @pytest.fixture(scope="module")
 def tokenizer(model):
-    return AutoTokenizer.from_pretrained(model)
+    return load_tokenizer(model)
 
 
 def _options(page_size: int, *extra: str) -> tuple[str, ...]:
@@ -48,7 +50,7 @@ def _segments(order: list[int]) -> list[str]:
 
 def _ids(tokenizer, pieces: list[str]) -> list[int]:
     """The prompt the server builds from segments: each piece tokenized alone, concatenated."""
-    return [t for i, p in enumerate(pieces) for t in tokenizer(p, add_special_tokens=i == 0).input_ids]
+    return encode(tokenizer, pieces[0]) + [t for p in pieces[1:] for t in encode_continuation(tokenizer, p)]
 
 
 def _generate(srv: Server, **body) -> dict:
@@ -83,15 +85,6 @@ def test_a_blend_does_not_depend_on_what_the_cache_held(server):
     samples = metric_samples(httpx.get(server.url + "/metrics", timeout=30).text)
     assert samples["radixserve_segment_reused_tokens_total"] > 0
     assert 0 < samples["radixserve_segment_recomputed_tokens_total"] < samples["radixserve_segment_reused_tokens_total"]
-
-
-def test_segments_are_a_plain_prompt_when_the_segment_cache_is_off(start_server, model, tokenizer):
-    srv = start_server(model, *_options(16, "--disable-segment-cache"))
-    pieces = _segments([1, 2])
-    blended = _generate(srv, segments=pieces, segment_recompute_ratio=0.0)
-    plain = _generate(srv, input_ids=_ids(tokenizer, pieces), cache_salt="plain")
-    assert blended["output_ids"] == plain["output_ids"]
-    assert blended["meta_info"]["segment_tokens"] == 0
 
 
 def test_a_segment_read_back_from_disk_gives_the_same_output(start_server, model, tmp_path):

@@ -85,6 +85,7 @@ def _replies(page: Any) -> list[dict[str, Any]]:
         return {text: n.querySelector('.content').textContent,
                 prompt: s && s.dataset.promptTokens !== undefined ? Number(s.dataset.promptTokens) : null,
                 cached: s && s.dataset.cachedTokens !== undefined ? Number(s.dataset.cachedTokens) : null,
+                segment: s && s.dataset.segmentTokens !== undefined ? Number(s.dataset.segmentTokens) : null,
                 stats: s ? s.textContent : null};
     })""")
 
@@ -125,6 +126,8 @@ def test_conversation_streams_and_the_cache_shows(browser, server, tiny_dir, tmp
         growing = [t for t in shown if first["text"].startswith(t) and t != first["text"]]
         assert len(set(growing)) >= 2, f"the reply did not appear in steps: {shown}"
         assert first["prompt"] > 0 and first["cached"] == 0, first
+        # the page sends plain messages: no segment tokens, and no "segments reused" under the reply
+        assert first["segment"] == 0 and "segments reused" not in first["stats"], first
         assert "TTFT" in first["stats"] and "tok/s" in first["stats"] and "ms" in first["stats"], first["stats"]
 
         _send(page, "And why does it make a second turn faster?")

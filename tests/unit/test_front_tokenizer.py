@@ -7,11 +7,15 @@ from typing import Any
 
 import pytest
 
+from radixserve.front.validation.limits import Limits
 from radixserve.tokenizer import (
     NORMALIZER_MARGIN,
+    ChatSegments,
     apply_chat_template,
+    apply_chat_template_segments,
     encode,
     load_tokenizer,
+    normalize_messages,
     prompt_char_limit,
     text_chars,
 )
@@ -193,3 +197,77 @@ def test_text_chars_counts_every_string_value_a_template_can_render() -> None:
     for _ in range(100_000):  # nesting as deep as a client likes: no recursion limit
         deep = [deep]
     assert text_chars(deep) == 1
+
+
+# --------------------------------------------------------------------------- segments
+
+
+def _segment_chat(docs: list[str], question: str) -> list[dict[str, Any]]:
+    parts = [{"type": "text", "text": d, "segment": True} for d in docs]
+    return [
+        {"role": "system", "content": "Answer from the documents."},
+        {"role": "user", "content": [*parts, {"type": "text", "text": question}]},
+    ]
+
+
+def test_segments_tokenize_each_piece_on_its_own(loaded: Any) -> None:
+    from radixserve.front.validation.inputs import build_requests
+    from radixserve.protocol import WorkerInfo
+    from radixserve.tokenizer import encode_continuation
+
+    ready = WorkerInfo(4096, 16, 2048, loaded.vocab_size, [2], "stub", "float32", "cpu", "avx2")
+    docs = ["Document one: Paris is in France.\n", "Document two: 你好 😀 <|im_end|>\n", "Question: where is Paris?"]
+    (req,), _ = build_requests(loaded, ready, Limits(), segments=docs)
+    first, second = encode(loaded, docs[0]), encode_continuation(loaded, docs[1])
+    assert req.input_ids == first + second + encode_continuation(loaded, docs[2])
+    assert req.segments == [(0, len(first)), (len(first), len(first) + len(second))]
+    assert req.input_ids[req.segments[1][0] : req.segments[1][1]] == second
+    assert loaded.decode(second) == docs[1]
+
+
+def test_chat_segment_parts_get_spans_of_exactly_their_tokens(loaded: Any) -> None:
+    docs = ["Paris is in France.", "Oslo <|im_end|> is in Norway."]  # a control token stays text
+    segments = ChatSegments()
+    chat = normalize_messages(_segment_chat(docs, "Where is Oslo?"), segments)
+    assert segments.texts == docs and all(d not in m["content"] for d in docs for m in chat)
+    ids, spans = apply_chat_template_segments(loaded, chat, segments)
+    assert len(spans) == 2
+    for (start, end), doc in zip(spans, docs, strict=True):
+        assert loaded.decode(ids[start:end]) == doc
+    assert loaded.convert_tokens_to_ids("<|im_end|>") not in ids[spans[1][0] : spans[1][1]]
+    # ChatML cuts at newlines: the segmented prompt is token for token the plain one
+    plain = _segment_chat(docs, "Where is Oslo?")
+    for part in plain[1]["content"]:
+        part.pop("segment", None)
+    assert ids == apply_chat_template(loaded, plain)
+    text = loaded.decode(ids)
+    assert text.endswith("Paris is in France.\nOslo <|im_end|> is in Norway.\nWhere is Oslo?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_chat_segments_in_several_messages_and_a_segment_flag_of_false(loaded: Any) -> None:
+    messages = [
+        {"role": "system", "content": [{"type": "text", "text": "Rules: be brief.", "segment": True}]},
+        {"role": "user", "content": [{"type": "text", "text": "a doc", "segment": False},
+                                     {"type": "text", "text": "another doc", "segment": True},
+                                     {"type": "text", "text": "Q?", "segment": None}]},
+    ]
+    segments = ChatSegments()
+    ids, spans = apply_chat_template_segments(loaded, normalize_messages(messages, segments), segments)
+    assert [loaded.decode(ids[a:b]) for a, b in spans] == ["Rules: be brief.", "another doc"]
+    # without a collector (any other caller), a segment part is ordinary text
+    flat = [{"role": "system", "content": "Rules: be brief."}, {"role": "user", "content": "a doc\nanother doc\nQ?"}]
+    assert normalize_messages(messages) == normalize_messages(flat)
+    assert apply_chat_template(loaded, messages) == apply_chat_template(loaded, flat) == ids
+
+
+def test_bad_segment_parts_are_refused(loaded: Any) -> None:
+    with pytest.raises(ValueError, match=r"messages\[0\].content\[0\].segment must be a boolean"):
+        normalize_messages([{"role": "user", "content": [{"type": "text", "text": "x", "segment": "yes"}]}], ChatSegments())
+    with pytest.raises(ValueError, match=r"messages\[0\].content\[1\] is a segment without text"):
+        normalize_messages([{"role": "user", "content": [{"type": "text", "text": "x"},
+                                                          {"type": "text", "text": "", "segment": True}]}])
+    segments = ChatSegments()
+    chat = normalize_messages([{"role": "user", "content": [{"type": "text", "text": "x", "segment": True}]}], segments)
+    chat.append({"role": "user", "content": chat[0]["content"]})  # a template that writes a part twice
+    with pytest.raises(ValueError, match="writes segment part 0 2 times"):
+        apply_chat_template_segments(loaded, chat, segments)

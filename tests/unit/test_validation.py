@@ -363,7 +363,7 @@ class _CharTokenizer:
     def __init__(self) -> None:
         self.calls = 0
 
-    def __call__(self, text: str) -> Any:
+    def __call__(self, text: str, add_special_tokens: bool = True) -> Any:
         self.calls += 1
         return type("Encoding", (), {"input_ids": [ord(c) % VOCAB for c in text]})()
 
@@ -418,3 +418,100 @@ def test_a_batch_stops_tokenizing_at_the_first_prompt_over_the_context() -> None
     with pytest.raises(InvalidRequest, match="the prompt has 300 tokens but the model's context length is 256"):
         build(text=["a", "b" * 300, "c" * 300], tokenizer=tokenizer)
     assert tokenizer.calls == 2
+
+
+# --------------------------------------------------------------------------- segments
+
+BOS = 1
+
+
+class _BosTokenizer(_CharTokenizer):
+    """One token per character, a BOS first unless asked not to (as Llama-style tokenizers)."""
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> Any:
+        ids = super().__call__(text).input_ids
+        return type("Encoding", (), {"input_ids": [BOS, *ids] if add_special_tokens else ids})()
+
+
+def _ids(text: str) -> list[int]:
+    return [ord(c) % VOCAB for c in text]
+
+
+def test_segments_are_tokenized_one_by_one_and_their_spans_kept() -> None:
+    (req,) = build(segments=["Doc one. ", "Doc two. ", "Question?"], tokenizer=_BosTokenizer())
+    assert req.input_ids == [BOS, *_ids("Doc one. "), *_ids("Doc two. "), *_ids("Question?")]
+    # the first segment as `text` would be tokenized (BOS included); the last is never a span
+    assert req.segments == [(0, 10), (10, 19)]
+    assert req.input_ids[10:19] == _ids("Doc two. ")
+    assert req.segment_recompute_ratio == 0.15  # the server's default
+
+
+def test_segment_reuse_and_the_recompute_ratio() -> None:
+    (req,) = build(
+        segments=["intro ", "doc", " between ", "doc2", "?"], segment_reuse=[False, True, False, True, False],
+        segment_recompute_ratio=0, default_recompute_ratio=0.5, tokenizer=_BosTokenizer(),
+    )
+    assert req.segments == [(7, 10), (19, 23)] and req.segment_recompute_ratio == 0.0
+    assert build(segments=["a", "b"], default_recompute_ratio=0.5)[0].segment_recompute_ratio == 0.5
+    assert build(segments=["a", "b"], segment_recompute_ratio=1)[0].segment_recompute_ratio == 1.0
+    # one segment: the whole prompt is the question, nothing to reuse
+    assert build(segments=["only the question"])[0].segments == []
+    # a ratio without segments is accepted (a client may send it with every request)
+    assert build(text="hi", segment_recompute_ratio=0.3)[0].segments == []
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "message"),
+    [
+        ({"segments": "a b"}, "segments", "`segments` must be a list of strings, got string"),
+        ({"segments": []}, "segments", "`segments` is empty"),
+        ({"segments": ["a"] * 65}, "segments", "`segments` has 65 entries; at most 64 are allowed"),
+        ({"segments": ["a", 3]}, "segments", "`segments[1]` must be a non-empty string, got integer"),
+        ({"segments": ["a", ""]}, "segments", "`segments[1]` must be a non-empty string, got an empty string"),
+        ({"segments": ["a", None]}, "segments", "`segments[1]` must be a non-empty string, got null"),
+        ({"segments": [["a", "b"], ["c"]]}, "segments", "a batch of segmented prompts (a list of lists) is not supported"),
+        ({"segments": ["a"], "text": "b"}, "segments", "`segments` cannot be combined with `text`"),
+        ({"segments": ["a"], "text": ["b"]}, "segments", "`segments` cannot be combined with `text`"),
+        ({"segments": ["a"], "input_ids": [1]}, "segments", "`segments` cannot be combined with `input_ids`"),
+        ({"segments": ["a"], "segment_recompute_ratio": 1.5}, "segment_recompute_ratio", "must be a number from 0 to 1"),
+        ({"segments": ["a"], "segment_recompute_ratio": -0.1}, "segment_recompute_ratio", "got -0.1"),
+        ({"segments": ["a"], "segment_recompute_ratio": True}, "segment_recompute_ratio", "got boolean"),
+        ({"segments": ["a"], "segment_recompute_ratio": "0.2"}, "segment_recompute_ratio", "got string"),
+        ({"segments": ["a"], "segment_recompute_ratio": math.nan}, "segment_recompute_ratio", "must be a number"),
+        ({"text": "a", "segment_recompute_ratio": 2}, "segment_recompute_ratio", "must be a number from 0 to 1"),
+        ({"segments": ["a", "b"], "segment_reuse": [True]}, "segment_reuse", "has 1 entries for 2 segments"),
+        ({"segments": ["a", "b"], "segment_reuse": [1, 0]}, "segment_reuse", "a list of booleans"),
+        ({"segments": ["a", "b"], "segment_reuse": [True, True]}, "segment_reuse", "the last is always computed"),
+        ({"text": "a", "segment_reuse": [False]}, "segment_reuse", "give them too"),
+    ],
+    ids=[
+        "not a list", "empty", "too many", "not a string", "empty string", "null", "batch", "with text",
+        "with a text batch", "with input_ids", "ratio over 1", "ratio under 0", "ratio boolean", "ratio string",
+        "ratio nan", "ratio without segments", "reuse length", "reuse not booleans", "reuse last", "reuse alone",
+    ],
+)
+def test_bad_segments_are_refused_naming_the_field(fields: dict[str, Any], param: str, message: str) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        build(**fields)
+    assert info.value.param == param and message in info.value.message, info.value.message
+
+
+def test_segments_are_checked_against_the_context_like_any_prompt() -> None:
+    tokenizer = _BosTokenizer()  # the context is 256 tokens
+    with pytest.raises(InvalidRequest, match="the prompt has 301 tokens but the model's context length is 256"):
+        build(segments=["a" * 150, "b" * 150, "c" * 300], tokenizer=tokenizer)
+    assert tokenizer.calls == 2  # the third segment was never tokenized
+    with pytest.raises(InvalidRequest, match=r"prompt \(201 tokens\) \+ max_new_tokens \(100\) = 301 exceeds"):
+        build(segments=["a" * 100, "b" * 100], sampling_params={"max_new_tokens": 100}, tokenizer=_BosTokenizer())
+    with pytest.raises(InvalidRequest, match="`segments` is too long: 11 characters") as info:
+        build(segments=["a" * 5, "b" * 6], tokenizer=tokenizer, limits=Limits(max_prompt_chars=10))
+    assert info.value.param == "segments"
+
+
+def test_a_segment_without_tokens_has_no_span_and_the_last_piece_is_never_one() -> None:
+    from radixserve.tokenizer import reusable_spans
+
+    assert reusable_spans([3, 0, 4, 2], [True, True, True, False]) == [(0, 3), (3, 7)]
+    # a reusable piece that ends the prompt (the pieces after it have no tokens) is computed in context
+    assert reusable_spans([3, 4, 0], [True, True, False]) == [(0, 3)]
+    assert reusable_spans([3], [False]) == []

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from radixserve.front.types import GenerateRequest, InvalidRequest
+from radixserve.config import ServerConfig
+from radixserve.front.types import GenerateRequest, InvalidRequest, json_type
 from radixserve.front.validation.limits import Limits
 from radixserve.front.validation.sampling import (
     check_lengths,
@@ -18,7 +19,12 @@ from radixserve.front.validation.sampling import (
     validate_input_ids,
 )
 from radixserve.protocol import PIN_TIERS, WorkerInfo
-from radixserve.tokenizer import encode
+from radixserve.tokenizer import encode, encode_continuation, reusable_spans
+
+# Pieces of one prompt given as `segments`. Each is tokenized on its own and may become a span
+# the scheduler looks up in the segment cache; RAG prompts carry a handful of documents, and
+# the bound keeps one request from costing a tokenizer call and a cache lookup per word.
+MAX_SEGMENTS = 64
 
 
 def build_requests(
@@ -35,14 +41,32 @@ def build_requests(
     top_logprobs_num: int | list[int] = 0,
     return_text_in_logprobs: bool = False,
     cache_salt: str | list[str] | None = None,
+    segments: list[str] | None = None,
+    segment_reuse: list[bool] | None = None,
+    segment_recompute_ratio: float | None = None,
+    default_recompute_ratio: float = ServerConfig.segment_recompute_ratio,
 ) -> tuple[list[GenerateRequest], bool]:
     """Returns the requests and whether the input was a batch (a list) rather than one prompt.
+
+    The prompt is `text`, `input_ids`, or `segments`: one prompt given as pieces, tokenized
+    one by one and concatenated, whose pieces but the last may be reused from the segment cache
+    wherever they sit (`segment_reuse` says which, one flag per piece, when not all but the
+    last). `segment_recompute_ratio` (else `default_recompute_ratio`, the server's) is the share
+    of reused tokens recomputed in context.
 
     Sizes are checked before the work they would cost: the number of prompts and every text's
     length in characters before any is tokenized, each tokenized prompt against the context before
     the next is tokenized, a token-id list's length before its ids are.
     """
-    prompts, is_batch = _prompts(tokenizer, text, input_ids, limits, ready.context_len)
+    ratio = check_recompute_ratio(segment_recompute_ratio, default_recompute_ratio)
+    spans: list[tuple[int, int]] = []
+    if segments is not None:
+        prompt, spans = _segmented_prompt(tokenizer, segments, segment_reuse, text, input_ids, limits, ready.context_len)
+        prompts, is_batch = [prompt], False
+    elif segment_reuse is not None:
+        raise InvalidRequest("`segment_reuse` describes `segments`; give them too, or leave it out", param="segment_reuse")
+    else:
+        prompts, is_batch = _prompts(tokenizer, text, input_ids, limits, ready.context_len)
     n = len(prompts)
     rids = _rids(rid, n, limits)
     requests = []
@@ -62,6 +86,7 @@ def build_requests(
             logprob_start_len=-1 if start is None else start, top_logprobs_num=top,
             return_text_in_logprobs=bool(return_text_in_logprobs),
             cache_salt=_salt(_pick(cache_salt, i, n, "cache_salt"), limits),
+            segments=spans, segment_recompute_ratio=ratio,
         )
         if rids[i] is not None:
             req.rid = rids[i]
@@ -130,6 +155,82 @@ def _prompts(tokenizer: Any, text: Any, input_ids: Any, limits: Limits, context_
         check_lengths(len(ids), 0, context_len)
         prompts.append(ids)
     return prompts, is_batch
+
+
+def check_recompute_ratio(value: Any, default: float) -> float:
+    """A request's `segment_recompute_ratio`: a number in [0, 1] (a boolean is not one), or the
+    server's `default` when absent."""
+    if value is None:
+        return default
+    ratio = finite_float(value) if type(value) in (int, float) else None
+    if ratio is None or not 0.0 <= ratio <= 1.0:
+        raise InvalidRequest(
+            "`segment_recompute_ratio` must be a number from 0 to 1 (the share of reused segment tokens "
+            f"recomputed), got {json_type(value) if type(value) not in (int, float) else value}",
+            param="segment_recompute_ratio",
+        )
+    return ratio
+
+
+def _segmented_prompt(
+    tokenizer: Any, segments: Any, reuse: Any, text: Any, input_ids: Any, limits: Limits, context_len: int,
+) -> tuple[list[int], list[tuple[int, int]]]:
+    """`segments`' token ids, concatenated, and the spans that may be reused.
+
+    The first piece is tokenized as `text` would be (the tokenizer's special tokens, a BOS,
+    included), the others on their own without special tokens: a piece's tokens then do not
+    depend on what precedes it, so its KV can be computed once and reused wherever it sits.
+    """
+    for other, given in (("text", text), ("input_ids", input_ids)):
+        if given is not None:
+            raise InvalidRequest(
+                f"`segments` cannot be combined with `{other}`: the segments are the prompt", param="segments",
+            )
+    if not isinstance(segments, list):
+        raise InvalidRequest(f"`segments` must be a list of strings, got {json_type(segments)}", param="segments")
+    if not segments:
+        raise InvalidRequest("`segments` is empty; give at least one string (the last is the part after the reusable ones)",
+                             param="segments")
+    if any(isinstance(s, list) for s in segments):
+        raise InvalidRequest(
+            "`segments` is one prompt's pieces, a list of strings; a batch of segmented prompts (a list of lists) is "
+            "not supported: send one request per prompt", param="segments",
+        )
+    if len(segments) > MAX_SEGMENTS:
+        raise InvalidRequest(f"`segments` has {len(segments)} entries; at most {MAX_SEGMENTS} are allowed", param="segments")
+    for i, piece in enumerate(segments):
+        if not isinstance(piece, str) or not piece:
+            got = "an empty string" if piece == "" else json_type(piece)
+            raise InvalidRequest(f"`segments[{i}]` must be a non-empty string, got {got}", param="segments")
+    flags = _segment_reuse(reuse, len(segments))
+    check_prompt_chars(sum(len(s) for s in segments), limits, context_len, "`segments`", "segments")
+    pieces: list[list[int]] = []
+    total = 0
+    for i, piece in enumerate(segments):
+        ids = encode(tokenizer, piece) if i == 0 else encode_continuation(tokenizer, piece)
+        pieces.append(ids)
+        total += len(ids)
+        if total:
+            check_lengths(total, 0, context_len)  # stop at the first piece that overflows the context
+    if not total:
+        raise InvalidRequest("`segments` hold no tokens; a prompt needs at least one", param="segments")
+    return [t for ids in pieces for t in ids], reusable_spans([len(ids) for ids in pieces], flags)
+
+
+def _segment_reuse(reuse: Any, count: int) -> list[bool]:
+    """Which segments may be reused: by default all but the last (the part after them, such as
+    the question, is always computed in context)."""
+    if reuse is None:
+        return [True] * (count - 1) + [False]
+    if not isinstance(reuse, list) or not all(type(flag) is bool for flag in reuse):
+        raise InvalidRequest("`segment_reuse` must be a list of booleans, one per segment", param="segment_reuse")
+    if len(reuse) != count:
+        raise InvalidRequest(f"`segment_reuse` has {len(reuse)} entries for {count} segments", param="segment_reuse")
+    if reuse[-1]:
+        raise InvalidRequest(
+            "`segment_reuse` marks the last segment reusable; the last is always computed in context", param="segment_reuse",
+        )
+    return reuse
 
 
 def _rids(rid: Any, n: int, limits: Limits) -> list[str | None]:

@@ -3,12 +3,16 @@
 Requests are parsed into the same `build_requests` the native API uses (so validation and its
 messages are shared), then results are shaped as OpenAI's objects: ids `cmpl-...` /
 `chatcmpl-...`, `choices[]` (prompt-major, n per prompt), `usage` with
-`prompt_tokens_details.cached_tokens`, streaming chunks with `delta`, then `data: [DONE]`.
+`prompt_tokens_details.cached_tokens` (and `segment_tokens`, `recomputed_tokens`), streaming
+chunks with `delta`, then `data: [DONE]`.
 
 Accepted beyond OpenAI's fields (vLLM/SGLang extensions): top_k, min_p, repetition_penalty,
 stop_token_ids, ignore_eos, skip_special_tokens, spaces_between_special_tokens, no_stop_trim,
 min_tokens, cache_salt, add_generation_prompt (chat), and the constraint keys of
-`front.constraints`. `logit_bias` really biases sampling (greedy included). Unknown top-level
+`front.constraints`; segments, RAG pieces whose KV may be reused wherever they sit:
+`segments` instead of `prompt` (completions), content parts with `"segment": true` (chat), and
+`segment_recompute_ratio` (both), with `prompt_tokens_details.segment_tokens` and
+`recomputed_tokens` in `usage`. `logit_bias` really biases sampling (greedy included). Unknown top-level
 fields are ignored as OpenAI does; known fields with a wrong type are 400s.
 
 Tool calling (chat): `front.tools` checks the request and renders the prompt, `front.tool_calls`
@@ -29,7 +33,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from radixserve.front.types import GenerateRequest, InvalidRequest, RequestFailed
-from radixserve.front.validation.inputs import build_requests
+from radixserve.front.validation.inputs import MAX_SEGMENTS, build_requests
 from radixserve.front.validation.sampling import check_prompt_chars
 from radixserve.http.common import (
     SSE_DONE,
@@ -57,11 +61,12 @@ from radixserve.http.openai.tool_requests import (
     parse_tool_request,
     prompt_chars,
     render_chat,
+    render_chat_segments,
     structural_tag,
 )
 from radixserve.http.state import ServerState
 from radixserve.http.tenants import scope_requests
-from radixserve.tokenizer import normalize_messages, text_chars
+from radixserve.tokenizer import ChatSegments, normalize_messages, text_chars
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
 
@@ -161,7 +166,10 @@ def _parse_completion(state: ServerState, body: dict[str, Any]) -> _Call:
     _reject_unsupported(body)
     if body.get("suffix"):
         raise InvalidRequest("`suffix` is not supported yet", param="suffix")
-    text, input_ids = _prompt(body.get("prompt"))
+    segments = body.get("segments")
+    prompt = body.get("prompt")
+    # with `segments`, a `prompt` too is refused by build_requests (as `text` / `input_ids`)
+    text, input_ids = _prompt(prompt) if prompt is not None or segments is None else (None, None)
     top = _opt_int(body, "logprobs", 0, state.limits.max_top_logprobs)
     echo = _opt_bool(body, "echo")
     sampling = _sampling(body, "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)
@@ -172,9 +180,12 @@ def _parse_completion(state: ServerState, body: dict[str, Any]) -> _Call:
     call.requests = _build(
         state, body, call.id, renames, text=text, input_ids=input_ids, sampling=sampling,
         logprobs=top is not None, top=top or 0, start=0 if echo and top is not None else None,
+        segments=segments,
     )
     if echo:
-        if text is None:
+        if segments is not None:
+            call.echo = ["".join(segments)]
+        elif text is None:
             call.echo = [state.tokenizer.decode(r.input_ids) for r in call.requests]
         else:
             call.echo = text if isinstance(text, list) else [text]
@@ -190,11 +201,21 @@ def _parse_chat(state: ServerState, body: dict[str, Any]) -> _Call:
     tools = parse_tool_request(body)
     fmt = resolve_format(state.config.tool_call_parser, _template_text(state.tokenizer))
     constraint = _tool_constraint(tools, fmt, body_constraint(body))
+    segments = ChatSegments()  # the content parts marked `"segment": true`
+    spans: list[tuple[int, int]] = []
     try:
-        chat = normalize_messages(body.get("messages"))
-        chars = text_chars(chat) + prompt_chars(chat, tools)
+        chat = normalize_messages(body.get("messages"), segments)
+        if len(segments.texts) > MAX_SEGMENTS:
+            raise InvalidRequest(
+                f"`messages` mark {len(segments.texts)} content parts as segments; at most {MAX_SEGMENTS} are allowed",
+                param="messages",
+            )
+        chars = text_chars(chat) + sum(map(len, segments.texts)) + prompt_chars(chat, tools)
         check_prompt_chars(chars, state.limits, state.ready.context_len, "`messages`", "messages")
-        ids = render_chat(state.tokenizer, chat, tools, fmt, add_generation_prompt)
+        if segments.texts:
+            ids, spans = render_chat_segments(state.tokenizer, chat, tools, fmt, add_generation_prompt, segments)
+        else:
+            ids = render_chat(state.tokenizer, chat, tools, fmt, add_generation_prompt)
     except InvalidRequest:
         raise
     except ValueError as exc:
@@ -214,6 +235,7 @@ def _parse_chat(state: ServerState, body: dict[str, Any]) -> _Call:
     call.requests = _build(
         state, body, call.id, renames, input_ids=ids, sampling=sampling, logprobs=logprobs, top=top,
     )
+    call.requests[0].segments = spans  # one conversation, one request
     return _finish_parse(call, body, logprobs=logprobs, top=top)
 
 
@@ -295,12 +317,15 @@ def _build(
     state: ServerState, body: dict[str, Any], call_id: str, renames: dict[str, str], *,
     sampling: dict[str, Any], logprobs: bool, top: int, start: int | None = None,
     text: str | list[str] | None = None, input_ids: list[int] | list[list[int]] | None = None,
+    segments: Any = None,
 ) -> list[GenerateRequest]:
     try:
         requests, _ = build_requests(
             state.tokenizer, state.ready, state.limits, text=text, input_ids=input_ids,
             sampling_params=sampling, return_logprob=logprobs, logprob_start_len=start,
             top_logprobs_num=top, return_text_in_logprobs=True, cache_salt=body.get("cache_salt"),
+            segments=segments, segment_recompute_ratio=body.get("segment_recompute_ratio"),
+            default_recompute_ratio=state.config.segment_recompute_ratio,
         )
     except InvalidRequest as exc:
         raise _renamed(exc, renames) from None
@@ -386,15 +411,17 @@ def _tool_finish_reason(reason: str | None) -> str | None:
 
 def _usage(call: _Call, finals: list[dict[str, Any]]) -> dict[str, Any]:
     """Each prompt counts once, every sample's output counts; a prompt's cached tokens are the
-    fewest any of its samples got (n samples share one prompt computation)."""
+    fewest any of its samples got (n samples share one prompt computation), and its segment
+    and recomputed tokens are that same sample's (the one that computed the prompt)."""
     metas = [out["meta_info"] for out in finals]
     groups = [metas[i : i + call.n] for i in range(0, len(metas), call.n)]
     prompt = sum(g[0]["prompt_tokens"] for g in groups)
     completion = sum(m["completion_tokens"] for m in metas)
-    cached = sum(min(m["cached_tokens"] for m in g) for g in groups)
+    computed = [min(g, key=lambda m: m["cached_tokens"]) for g in groups]
+    details = {key: sum(m[key] for m in computed) for key in ("cached_tokens", "segment_tokens", "recomputed_tokens")}
     return {
         "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
+        "prompt_tokens_details": details,
     }
 
 

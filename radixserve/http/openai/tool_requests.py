@@ -26,7 +26,7 @@ from typing import Any
 from radixserve.front.types import InvalidRequest, json_type
 from radixserve.front.validation.schemas import check_depth, check_json_schema
 from radixserve.http.openai.tool_call_parser import ToolCallFormat
-from radixserve.tokenizer import apply_chat_template
+from radixserve.tokenizer import ChatSegments, apply_chat_template, apply_chat_template_segments
 
 MAX_TOOLS = 128  # OpenAI's cap
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
@@ -199,13 +199,32 @@ def render_chat(
     add_generation_prompt: bool,
 ) -> list[int]:
     """Token ids of a normalized conversation (`tokenizer.normalize_messages`) with its tools."""
+    messages, tools = _template_input(tokenizer, chat, request, fmt)
+    return apply_chat_template(tokenizer, messages, add_generation_prompt, tools=tools)
+
+
+def render_chat_segments(
+    tokenizer: Any, chat: list[dict[str, Any]], request: ToolRequest | None, fmt: ToolCallFormat,
+    add_generation_prompt: bool, segments: ChatSegments,
+) -> tuple[list[int], list[tuple[int, int]]]:
+    """`render_chat` for a conversation with segment parts (`segments`' placeholders in its
+    contents): the token ids and each part's span."""
+    messages, tools = _template_input(tokenizer, chat, request, fmt)
+    return apply_chat_template_segments(tokenizer, messages, segments, add_generation_prompt, tools=tools)
+
+
+def _template_input(
+    tokenizer: Any, chat: list[dict[str, Any]], request: ToolRequest | None, fmt: ToolCallFormat,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """The messages and tools the template gets: tools for a template that renders them,
+    else written into the conversation."""
     tools = request.shown if request is not None else None
     has_calls = any(m["role"] == "tool" or m.get("tool_calls") for m in chat)
     if not tools and not has_calls:
-        return apply_chat_template(tokenizer, chat, add_generation_prompt)
+        return chat, None
     if template_knows_tools(tokenizer):
-        return apply_chat_template(tokenizer, [_template_message(m) for m in chat], add_generation_prompt, tools=tools)
-    return apply_chat_template(tokenizer, _written_out(chat, tools, fmt), add_generation_prompt)
+        return [_template_message(m) for m in chat], tools
+    return _written_out(chat, tools, fmt), None
 
 
 def _calls(message: Mapping[str, Any], i: int) -> list[tuple[str, str]]:

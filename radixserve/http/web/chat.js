@@ -161,6 +161,8 @@ function stats(usage, finish, started, first, ended) {
   if (usage) {
     out.prompt = usage.prompt_tokens;
     out.cached = (usage.prompt_tokens_details && usage.prompt_tokens_details.cached_tokens) || 0;
+    // of the cached tokens, those reused from the segment cache (segment parts, wherever they sit)
+    out.segment = (usage.prompt_tokens_details && usage.prompt_tokens_details.segment_tokens) || 0;
     out.completion = usage.completion_tokens;
   }
   if (first !== null) out.ttftMs = first - started;
@@ -238,6 +240,8 @@ function statsNode(s) {
     const share = s.prompt ? Math.round((100 * s.cached) / s.prompt) : 0;
     parts.push(el("span", "prompt", `prompt ${s.prompt} tok`));
     parts.push(el("span", "cached" + (s.cached > 0 ? " hit" : ""), `cached ${s.cached} (${share}%)`));
+    node.dataset.segmentTokens = s.segment || 0;
+    if (s.segment > 0) parts.push(el("span", "segment hit", `segments reused ${s.segment}`));
     parts.push(el("span", "completion", `output ${s.completion} tok`));
   }
   parts.push(el("span", "ttft", s.ttftMs === undefined ? "TTFT —" : `TTFT ${Math.round(s.ttftMs)} ms`));
