@@ -351,6 +351,51 @@ def render_disk_tier(results: Path) -> str:
     ])
 
 
+def _segment_quality(d: dict[str, Any]) -> str:
+    q = d["quality"]
+    n = next((k.rsplit("_", 1)[1] for k in next(iter(q["ratios"].values())) if k.startswith("prefix_agreement_")), "16")
+    rows = [[f"{float(ratio):g}", f"{r['mean_kl']:.4f}", f"{r['max_kl']:.3f}", f"{r['first_token_agreement']:.3f}",
+             f"{r[f'prefix_agreement_{n}']:.3f}"] for ratio, r in q["ratios"].items()]
+    table = _table(["recompute ratio", "mean KL", "max KL", "first token agrees", f"first {n} tokens agree (share before the first difference)"],
+                   "rrrrr", rows)
+    summary = q.get("summary", {})
+    line = (f"KL at the default ratio / KL of naive reuse (ratio 0): **{summary['kl_vs_naive']:.2f}x** "
+            f"(target <= {d['targets']['kl_vs_naive']}x)." if "kl_vs_naive" in summary else "")
+    return f"{table}\n\n{line}".rstrip()
+
+
+def render_segment_reuse(results: Path) -> str:
+    d = _load(results, "segment_reuse.json")
+    lines = [
+        _source(["segment_reuse.json"], d.get("cpu"), d.get("date")) + f" Model `{d.get('model')}` in {d.get('dtype')}, "
+        f"page size {d.get('page_size')}, workload {d.get('workload')}.",
+    ]
+    if "quality" in d:
+        lines += ["", "Quality against full prefill (the same prompt as plain ids), per recompute ratio:", "",
+                  _segment_quality(d)]
+    fp32 = results / "segment_reuse_fp32.json"
+    if fp32.exists():
+        e = _load(results, fp32.name)
+        lines += ["", f"The same in {e.get('dtype')} (`bench/results/{fp32.name}`, {e.get('date')}, CPU: {e.get('cpu')}):",
+                  "", _segment_quality(e)]
+    if "speed" in d:
+        sp, t = d["speed"], d["targets"]
+        on, off = sp["median"]["on"], sp["median"]["off"]
+        su = sp["summary"]
+        lines += ["", f"Speed through HTTP, concurrency as run, {len(sp['rounds']['on'])} rounds each, alternating (medians):", "",
+                  _table(["", "mean TTFT", "p99 TTFT", "output tok/s", "prompt tokens from a cache", "of them, from segments"],
+                         "lrrrrr", [
+                             ["prefix cache only (--disable-segment-cache)", f"{_n(off['mean_ttft_ms'])} ms", f"{_n(off['p99_ttft_ms'])} ms",
+                              f"{off['output_tok_s']:.1f}", f"{off['cache_hit_fraction']:.2f}", f"{off['segment_token_fraction']:.2f}"],
+                             ["segments", f"{_n(on['mean_ttft_ms'])} ms", f"{_n(on['p99_ttft_ms'])} ms", f"{on['output_tok_s']:.1f}",
+                              f"{on['cache_hit_fraction']:.2f}", f"{on['segment_token_fraction']:.2f}"],
+                             ["segments / prefix cache only", f"**{su['ttft_ratio']:.2f}x**", "", f"**{su['throughput_ratio']:.2f}x**", "", ""],
+                         ]),
+                  "", f"Targets: cache hit fraction >= {t['cache_hit_fraction']}, mean TTFT <= {t['ttft_ratio']}x, "
+                  f"output tok/s >= {t['throughput_ratio']}x."]
+    return "\n".join(lines)
+
+
 BLOCKS: tuple[Block, ...] = (
     Block("serving", render_serving),
     Block("model_runner", render_model_runner),
@@ -363,6 +408,7 @@ BLOCKS: tuple[Block, ...] = (
     Block("soak", render_soak),
     Block("router", render_router),
     Block("disk_tier", render_disk_tier),
+    Block("segment_reuse", render_segment_reuse),
 )
 
 

@@ -209,13 +209,14 @@ class TokenizerManager:
         return await self._ask(FlushCache, timeout)
 
     async def pin(self, input_ids: list[int], cache_salt: str | None, tier: str, ttl: float | None,
-                  tenant: str | None = None, timeout: float = PIN_TIMEOUT_S) -> PinDone:
+                  tenant: str | None = None, timeout: float = PIN_TIMEOUT_S, segment: bool = False) -> PinDone:
         """Pin a prefix (computed first if need be: the wait is a prefill's) for `tenant`, whose
-        budgets the scheduler applies. A full waiting queue raises the retryable `RequestFailed`
-        a request gets, the tenant's bound of pins in flight `TooManyPinsInFlight`; a pin that
-        cannot be held is answered with its `error`."""
+        budgets the scheduler applies; with `segment`, a segment in the segment cache. A full
+        waiting queue raises the retryable `RequestFailed` a request gets, the tenant's bound of
+        pins in flight `TooManyPinsInFlight`; a pin that cannot be held is answered with its
+        `error`."""
         done: PinDone = await self._ask(
-            lambda req_id: PinPrefix(req_id, input_ids, cache_salt, tier, ttl, tenant), timeout,
+            lambda req_id: PinPrefix(req_id, input_ids, cache_salt, tier, ttl, tenant, segment), timeout,
         )
         if done.pin is None and done.refusal == "queue_full":
             raise RequestFailed(done.error or "the waiting queue is full; retry later", retryable=True)
@@ -224,8 +225,8 @@ class TokenizerManager:
         return done
 
     async def unpin(self, pin_ids: list[int], input_ids: list[int], cache_salt: str | None,
-                    timeout: float = 30.0) -> PinList:
-        return await self._ask(lambda req_id: UnpinPrefix(req_id, pin_ids, input_ids, cache_salt), timeout)
+                    timeout: float = 30.0, segment: bool = False) -> PinList:
+        return await self._ask(lambda req_id: UnpinPrefix(req_id, pin_ids, input_ids, cache_salt, segment), timeout)
 
     async def pins(self, timeout: float = 30.0) -> PinList:
         return await self._ask(ListPins, timeout)

@@ -4,7 +4,9 @@
                         computes the prefix if it is not cached and keeps its pages (the
                         scheduler's scheduler/pins.py); answers with the pin, or at once 409
                         (a budget), 429 (the tenant's pins in flight) or 503 (the queue)
-    POST /cache/unpin   {"pin_id"} or {"text" | "input_ids", "cache_salt"?}: ends those pins
+                        {"segments": [...], ...}: each a segment, computed alone and kept in the
+                        segment cache (docs/cache.md), one pin each, all or none
+    POST /cache/unpin   {"pin_id"} or {"text" | "input_ids" | "segments", "cache_salt"?}: ends those pins
     GET  /cache/pins    the pins (with --api-key-file: the caller's tenant's only)
 
 A tenant's pins live in its own cache namespace, like its requests, so it can neither pin into,
@@ -21,14 +23,18 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from radixserve.front.types import InvalidRequest, shown
-from radixserve.front.validation.inputs import build_prefix, check_pin_options
+from radixserve.front.validation.inputs import (
+    build_prefix,
+    build_segment_prefixes,
+    check_pin_options,
+)
 from radixserve.http.common import HTTPError, JSONResponse, handles_errors, read_json
 from radixserve.http.state import ServerState
 from radixserve.http.tenants import SCOPE_KEY, namespace, salt_in
 from radixserve.protocol import PinInfo
 
-_PIN_FIELDS = frozenset({"text", "input_ids", "cache_salt", "tier", "ttl"})
-_UNPIN_FIELDS = frozenset({"pin_id", "text", "input_ids", "cache_salt"})
+_PIN_FIELDS = frozenset({"text", "input_ids", "segments", "cache_salt", "tier", "ttl"})
+_UNPIN_FIELDS = frozenset({"pin_id", "text", "input_ids", "segments", "cache_salt"})
 
 
 def routes() -> list[Route]:
@@ -44,6 +50,8 @@ async def pin(request: Request) -> Response:
     state: ServerState = request.app.state.server
     body = await _body(request, state, _PIN_FIELDS)
     tier, ttl = check_pin_options(body.get("tier", "memory"), body.get("ttl"), bool(state.config.kv_disk_dir))
+    if "segments" in body:
+        return await _pin_segments(request, state, body, tier, ttl)
     ids, ns = await _prefix(request, state, body)
     done = await state.get_manager().pin(ids, ns, tier, ttl, tenant=request.scope.get(SCOPE_KEY))
     if done.pin is None:
@@ -65,6 +73,10 @@ async def unpin(request: Request) -> Response:
         mine = [p.pin_id for p in (await manager.pins()).pins if _visible(request, p)]
         released = (await manager.unpin([pin_id], [], None)).pins if pin_id in mine else []
         what = f"no pin {shown(str(pin_id))}"
+    elif "segments" in body:
+        prefixes, ns = await _segment_prefixes(request, state, body)
+        released = [p for ids in prefixes for p in (await manager.unpin([], ids, ns, segment=True)).pins]
+        what = "no pin of those segments"
     else:
         ids, ns = await _prefix(request, state, body)
         released = (await manager.unpin([], ids, ns)).pins
@@ -89,6 +101,40 @@ async def _body(request: Request, state: ServerState, known: frozenset[str]) -> 
     return body
 
 
+async def _pin_segments(request: Request, state: ServerState, body: dict[str, Any], tier: str,
+                        ttl: float | None) -> Response:
+    """Pin each segment in the segment cache, one after the other; if one cannot be pinned,
+    the ones just made are released again and the call fails as a single pin would."""
+    prefixes, ns = await _segment_prefixes(request, state, body)
+    manager = state.get_manager()
+    made = []
+    try:
+        for ids in prefixes:
+            done = await manager.pin(ids, ns, tier, ttl, tenant=request.scope.get(SCOPE_KEY), segment=True)
+            if done.pin is None:
+                raise HTTPError(409, done.error or "the segment could not be pinned", code="pin_refused")
+            made.append(done)
+    except BaseException:
+        if made:
+            await manager.unpin([d.pin.pin_id for d in made], [], None)
+        raise
+    return JSONResponse({"pins": [{**_describe(request, d.pin), "cached_tokens": d.cached_tokens} for d in made]})
+
+
+async def _segment_prefixes(request: Request, state: ServerState,
+                            body: dict[str, Any]) -> tuple[list[list[int]], str | None]:
+    """The segments' token ids (tokenized in the prepare threads) and their namespace."""
+    for other in ("text", "input_ids"):
+        if other in body:
+            raise InvalidRequest(f"`segments` cannot be combined with `{other}`", param="segments")
+    prefixes, salt = await state.prepare(
+        build_segment_prefixes, state.tokenizer, state.ready, state.limits, segments=body["segments"],
+        cache_salt=body.get("cache_salt"),
+    )
+    tenant = request.scope.get(SCOPE_KEY)
+    return prefixes, salt if tenant is None else namespace(tenant, salt)
+
+
 async def _prefix(request: Request, state: ServerState, body: dict[str, Any]) -> tuple[list[int], str | None]:
     """The prefix's token ids and its namespace: the caller's tenant's, narrowed by its salt.
     Tokenized in the prepare threads, as /generate's prompts are: a long text tokenized on the
@@ -108,7 +154,7 @@ def _visible(request: Request, info: PinInfo) -> bool:
 def _describe(request: Request, info: PinInfo) -> dict[str, Any]:
     """A pin as its owner sees it: its own salt, not the tenant's namespace around it."""
     return {
-        "pin_id": info.pin_id, "tokens": info.tokens, "tier": info.tier,
+        "pin_id": info.pin_id, "tokens": info.tokens, "tier": info.tier, "segment": info.segment,
         "cache_salt": salt_in(request.scope.get(SCOPE_KEY), info.cache_salt)[1],
         "created": info.created, "expires_at": info.expires_at,
     }

@@ -5,15 +5,16 @@ A segment's KV is computed once standalone, at positions 0 .. L - 1, and cached.
 another position of another request (`protocol.SegmentReuse`), its K/V are copied into the
 request's pages for every layer, keys re-rotated by the offset (`copy_segment_kv`). The copies
 ignore everything before the segment in the request, so they are wrong, and the more so the
-deeper the layer. The selective forward for one chunk (`blend_chunk`):
+deeper the layer. The selective forward (`blend_forward`), over every chunk of a step at once
+(a chunk without runs is a plain one, all its tokens kept):
 
-1. layers 0 .. FULL_LAYERS - 1 run over every token of the chunk, as a plain forward would
+1. layers 0 .. FULL_LAYERS - 1 run over every token of the chunks, as a plain forward would
    (they store fresh K/V for every token there);
 2. in each run, the `recompute` tokens whose fresh K/V at layer FULL_LAYERS - 1 differ most
    from their copies (squared L2 of the K difference plus the V difference, over heads; ties
    to the earlier position) are picked;
-3. layers FULL_LAYERS .. L - 1 run over the chunk's fresh tokens (those in no run; the prompt's
-   last token always among them) and the picked ones only, at their scattered positions
+3. layers FULL_LAYERS .. L - 1 run over the fresh tokens (those in no run; a prompt's last
+   token always among them) and the picked ones only, at their scattered positions
    (`AttentionBatch.query_positions`), attending causally over the blended context; the other
    reused tokens keep their copies in those layers.
 
@@ -44,11 +45,13 @@ most wrong. A model of at most FULL_LAYERS layers recomputes everything."""
 
 
 @dataclass(frozen=True)
-class BlendResult:
-    # [V] float32 after the chunk's last token; None when that token is a copy not recomputed
-    # (a chunk inside the prompt: nothing samples after it)
-    logits: torch.Tensor | None
-    recomputed: list[int]  # positions of the reused tokens picked for recompute, ascending
+class BlendOutput:
+    """A selective forward's result: final hidden states of the tokens that ran through every
+    layer, and which those are."""
+
+    hidden: torch.Tensor  # [R, hidden], after the final norm
+    rows: torch.Tensor  # [R] int64: each one's index among the batch's packed new tokens, ascending
+    recomputed: list[list[int]]  # per chunk, the positions of the copied tokens picked, ascending
 
 
 def slots_of(pages: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -94,63 +97,82 @@ def check_runs(prefix_len: int, num_tokens: int, reuse: Sequence[SegmentReuse], 
 
 
 @torch.inference_mode()
-def blend_chunk(
-    model: LlamaForCausalLM, backend: AttentionBackend, page_row: torch.Tensor, prefix_len: int,
-    token_ids: list[int], reuse: Sequence[SegmentReuse],
-) -> BlendResult:
-    """The selective forward of one chunk with reuse (the module docstring): `token_ids` at
-    positions prefix_len .., the request's pages `page_row` ([1, W] int64, enough for all of
-    them; the first prefix_len positions already stored)."""
+def blend_forward(
+    model: LlamaForCausalLM, backend: AttentionBackend, page_table: torch.Tensor, prefix_lens: list[int],
+    token_ids: list[list[int]], reuse: list[Sequence[SegmentReuse]],
+) -> BlendOutput:
+    """The selective forward (the module docstring) of one step's chunks, in one pass: chunk i
+    is `token_ids[i]` at positions prefix_lens[i] .. of the request whose pages are row i of
+    `page_table` ([B, W] int64); `reuse[i]` its runs (empty for a chunk without any, which runs
+    through every layer as in a plain forward)."""
     pool = backend.pool
-    device, ps, n = pool.device, pool.page_size, len(token_ids)
-    check_runs(prefix_len, n, reuse, ps)
-    input_ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
-    positions = torch.arange(prefix_len, prefix_len + n, device=device)
-    whole = AttentionBatch(ps, page_row, [prefix_len], [n])
+    device, ps = pool.device, pool.page_size
+    lens = [len(t) for t in token_ids]
+    for prefix, n, runs in zip(prefix_lens, lens, reuse, strict=True):
+        check_runs(prefix, n, runs, ps)
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n)
+    input_ids = torch.tensor([t for ids in token_ids for t in ids], dtype=torch.int64, device=device)
+    positions = torch.cat([torch.arange(p, p + n) for p, n in zip(prefix_lens, lens, strict=True)]).to(device)
+    whole = AttentionBatch(ps, page_table, prefix_lens, lens)
     num_layers = len(model.layers)
-    if num_layers <= FULL_LAYERS or not reuse:  # every token through every layer
+    everything = torch.arange(starts[-1], device=device)
+    if num_layers <= FULL_LAYERS or not any(reuse):  # every token through every layer: no copy is kept
         backend.plan(whole)
-        hidden = model(input_ids, positions, backend)
-        return BlendResult(model.compute_logits(hidden[-1:])[0], [])
+        return BlendOutput(model(input_ids, positions, backend), everything, [[] for _ in lens])
 
-    # the runs' tokens: where they go (the request's slots) and where their copies come from
-    targets = torch.cat([torch.arange(r.position, r.position + r.length) for r in reuse]).to(device)
-    dst = slots_of(page_row[0], targets, ps)
-    src = torch.cat([
-        slots_of(torch.tensor(r.pages, dtype=torch.int64, device=device),
-                 torch.arange(r.source_position, r.source_position + r.length, device=device), ps)
-        for r in reuse
-    ])
-    deltas = torch.cat([torch.full((r.length,), r.position - r.source_position) for r in reuse]).to(device)
-    copy_segment_kv(pool, model.rotary, src, dst, deltas)
+    # the runs' tokens: where they go (their requests' slots), where their copies come from, and
+    # their index among the packed tokens
+    dst, src, deltas, packed = [], [], [], []
+    for i, runs in enumerate(reuse):
+        for r in runs:
+            targets = torch.arange(r.position, r.position + r.length, device=device)
+            dst.append(slots_of(page_table[i], targets, ps))
+            source = torch.arange(r.source_position, r.source_position + r.length, device=device)
+            src.append(slots_of(torch.tensor(r.pages, dtype=torch.int64, device=device), source, ps))
+            deltas.append(torch.full((r.length,), r.position - r.source_position, device=device))
+            packed.append(targets - prefix_lens[i] + starts[i])
+    dst_t, packed_t = torch.cat(dst), torch.cat(packed)
+    copy_segment_kv(pool, model.rotary, torch.cat(src), dst_t, torch.cat(deltas))
     probe = FULL_LAYERS - 1
-    copied_k, copied_v = pool.flat_k(probe).index_select(0, dst), pool.flat_v(probe).index_select(0, dst)
+    copied_k, copied_v = pool.flat_k(probe).index_select(0, dst_t), pool.flat_v(probe).index_select(0, dst_t)
 
     backend.plan(whole)
     h, cos, sin = model.embed(input_ids, positions)
     h, residual = model.run_layers(h, None, cos, sin, backend, 0, FULL_LAYERS)
 
-    fresh_k, fresh_v = pool.flat_k(probe).index_select(0, dst), pool.flat_v(probe).index_select(0, dst)
-    deviation = ((fresh_k.float() - copied_k.float()) ** 2).sum((1, 2)) + ((fresh_v.float() - copied_v.float()) ** 2).sum((1, 2))
-    keep = torch.ones(n, dtype=torch.bool)  # the chunk's tokens run through the later layers
-    keep[targets.cpu() - prefix_len] = False
-    picked: list[int] = []
+    fresh_k, fresh_v = pool.flat_k(probe).index_select(0, dst_t), pool.flat_v(probe).index_select(0, dst_t)
+    deviation = (((fresh_k.float() - copied_k.float()) ** 2).sum((1, 2))
+                 + ((fresh_v.float() - copied_v.float()) ** 2).sum((1, 2))).cpu()
+    keep = torch.ones(starts[-1], dtype=torch.bool)  # the tokens that run through the later layers
+    keep[packed_t.cpu()] = False
+    recomputed: list[list[int]] = []
     at = 0
-    for run in reuse:
-        # largest first; a stable sort leaves equal deviations in position order
-        order = torch.sort(deviation[at : at + run.length].cpu(), descending=True, stable=True).indices
-        chosen = sorted(run.position + int(j) for j in order[: run.recompute])
-        keep[torch.tensor(chosen, dtype=torch.int64) - prefix_len] = True
-        picked += chosen
-        at += run.length
+    for i, runs in enumerate(reuse):
+        picked: list[int] = []
+        for run in runs:
+            # largest first; a stable sort leaves equal deviations in position order
+            order = torch.sort(deviation[at : at + run.length], descending=True, stable=True).indices
+            picked += sorted(run.position + int(j) for j in order[: run.recompute])
+            at += run.length
+        if picked:
+            keep[torch.tensor(picked, dtype=torch.int64) - prefix_lens[i] + starts[i]] = True
+        recomputed.append(picked)
     rows = keep.nonzero().squeeze(1)  # ascending
     if not len(rows):  # every token a copy kept as it is: nothing more to compute
-        return BlendResult(None, picked)
-    backend.plan(AttentionBatch(ps, page_row, [prefix_len], [len(rows)], [(rows + prefix_len).tolist()]))
-    last_kept = bool(keep[-1])
+        return BlendOutput(h[:0], rows.to(device), recomputed)
+    # the later layers' batch: each chunk's kept tokens, at their positions where some were left out
+    chunks, extend, query = [], [], []
+    for i, n in enumerate(lens):
+        local = keep[starts[i] : starts[i + 1]].nonzero().squeeze(1)
+        if len(local):
+            chunks.append(i)
+            extend.append(len(local))
+            query.append(None if len(local) == n else (local + prefix_lens[i]).tolist())
+    later = AttentionBatch(ps, page_table[chunks], [prefix_lens[i] for i in chunks], extend,
+                           query if any(q is not None for q in query) else None)
+    backend.plan(later)
     rows = rows.to(device)
     h, residual = model.run_layers(h[rows], residual[rows], cos[rows], sin[rows], backend, FULL_LAYERS, num_layers)
-    if not last_kept:
-        return BlendResult(None, picked)
-    hidden = model.final_norm(h[-1:], residual[-1:])
-    return BlendResult(model.compute_logits(hidden)[0], picked)
+    return BlendOutput(model.final_norm(h, residual), rows, recomputed)

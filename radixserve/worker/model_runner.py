@@ -1,5 +1,5 @@
-"""One forward over a mixed batch of prefill chunks and decode steps, on paged KV; a chunk that
-reuses cached segments' KV takes a selective forward of its own (worker/blend.py)."""
+"""One forward over a mixed batch of prefill chunks and decode steps, on paged KV; a step with
+chunks that reuse cached segments' KV takes the selective forward (worker/blend.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from radixserve.attention.base import AttentionBackend, AttentionBatch
 from radixserve.protocol import SegmentReuse
-from radixserve.worker.blend import blend_chunk
+from radixserve.worker.blend import blend_forward
 from radixserve.worker.cuda_graph import DecodeGraphRunner
 from radixserve.worker.page_table import PageTable
 
@@ -27,7 +27,7 @@ class SequenceChunk:
     token_ids: list[int]
     all_logits: bool = False  # also return logits of every new token (prompt logprobs)
     # segment blending: runs of the chunk whose KV is copied from cached segments (never with
-    # all_logits); the chunk then runs alone through `blend.blend_chunk`
+    # all_logits); a step with any takes `blend.blend_forward`
     reuse: tuple[SegmentReuse, ...] = ()
 
 
@@ -57,9 +57,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, chunks: list[SequenceChunk]) -> ForwardOutput:
-        """The chunks without reuse in one forward, then each chunk with reuse in a selective
-        forward of its own (after the others, so it may read a segment they computed); the
-        outputs in chunk order. A chunk with reuse has no `all_logits`."""
+        """One forward over every chunk; a step with segment reuse takes the selective forward
+        (worker/blend.py), the same single pass for all its chunks. A chunk with reuse has no
+        `all_logits`, and when its last token is a copy left as it is (a chunk inside a prompt:
+        nothing samples after it) its row of `last_logits` is NaN."""
         if not chunks or any(not c.token_ids for c in chunks):
             raise ValueError("a forward needs at least one chunk, each with at least one new token")
         for c in chunks:
@@ -68,24 +69,28 @@ class ModelRunner:
             return self._forward(chunks)
         if any(c.reuse and c.all_logits for c in chunks):
             raise ValueError("a chunk with segment reuse returns only its last token's logits")
-        plain = [c for c in chunks if not c.reuse]
-        out = self._forward(plain) if plain else None
-        last: list[torch.Tensor] = []
-        all_logits: list[torch.Tensor | None] = []
-        at = 0  # the next plain chunk's index in `out`
+        out = blend_forward(
+            self.model, self.backend, self.page_table.gather([c.row for c in chunks]), [c.prefix_len for c in chunks],
+            [c.token_ids for c in chunks], [c.reuse for c in chunks],
+        )
+        total = sum(len(c.token_ids) for c in chunks)
+        row_of = torch.full((total,), -1, dtype=torch.int64)  # packed token -> its row in out.hidden
+        row_of[out.rows.cpu()] = torch.arange(len(out.rows))
+        wanted: list[int] = []  # rows of out.hidden to run the LM head on
+        spans: list[tuple[int, int]] = []
+        end = 0
         for c in chunks:
-            if c.reuse:
-                pages = self.page_table.gather([c.row])
-                logits = blend_chunk(self.model, self.backend, pages, c.prefix_len, c.token_ids, c.reuse).logits
-                if logits is None:  # its last token is a copy: a chunk inside the prompt, never sampled
-                    logits = torch.full((self.model.config.vocab_size,), float("nan"), device=self.device)
-                last.append(logits[None])
-                all_logits.append(None)
-            else:
-                last.append(out.last_logits[at : at + 1])
-                all_logits.append(out.all_logits[at])
-                at += 1
-        return ForwardOutput(torch.cat(last), all_logits)
+            end += len(c.token_ids)
+            rows = row_of[end - len(c.token_ids) : end] if c.all_logits else row_of[end - 1 : end]
+            spans.append((len(wanted), len(wanted) + len(rows)))
+            wanted += rows.tolist()
+        kept = [r for r in wanted if r >= 0]
+        logits = self.model.compute_logits(out.hidden[torch.tensor(kept, dtype=torch.int64, device=self.device)])
+        full = torch.full((len(wanted), logits.shape[1]), float("nan"), device=self.device)
+        full[torch.tensor([i for i, r in enumerate(wanted) if r >= 0], dtype=torch.int64, device=self.device)] = logits
+        last_logits = full[torch.tensor([stop - 1 for _, stop in spans], device=self.device)]
+        all_logits = [full[a:b] if c.all_logits else None for c, (a, b) in zip(chunks, spans, strict=True)]
+        return ForwardOutput(last_logits, all_logits)
 
     def _check_pages(self, c: SequenceChunk) -> None:
         need = -(-(c.prefix_len + len(c.token_ids)) // self.backend.pool.page_size)

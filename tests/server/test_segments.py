@@ -128,3 +128,24 @@ def test_segments_with_n_logprobs_and_a_regex(server):
         assert len(sample["text"]) == 4 and set(sample["text"]) <= {"a", "b"}
         assert sample["meta_info"]["segment_tokens"] > 0
         assert len(sample["meta_info"]["output_token_logprobs"]) == len(sample["output_ids"])
+
+
+def test_pinned_segments_are_reused_without_being_computed_again(server):
+    docs = [DOCS[1], DOCS[3]]
+    r = httpx.post(server.url + "/cache/pin", json={"segments": docs, "cache_salt": "pinned"}, timeout=120)
+    assert r.status_code == 200, r.text
+    pins = r.json()["pins"]
+    assert len(pins) == 2 and all(p["segment"] and p["cache_salt"] == "pinned" and p["tokens"] > 0 for p in pins)
+    listed = httpx.get(server.url + "/cache/pins", timeout=30).json()["pins"]
+    assert {p["pin_id"] for p in pins} <= {p["pin_id"] for p in listed}
+    body = {"segments": _segments([3, 1]), "cache_salt": "pinned"}
+    out = _generate(server, **body)
+    assert out["meta_info"]["segment_tokens"] >= sum(p["tokens"] for p in pins)
+    # a flush keeps pinned pages: the same request still reuses them
+    httpx.post(server.url + "/flush_cache", timeout=30).raise_for_status()
+    assert _generate(server, **body)["output_ids"] == out["output_ids"]
+    bad = httpx.post(server.url + "/cache/pin", json={"segments": docs, "text": "x"}, timeout=30)
+    assert bad.status_code == 400 and "segments" in bad.text
+    r = httpx.post(server.url + "/cache/unpin", json={"segments": docs, "cache_salt": "pinned"}, timeout=30)
+    assert r.status_code == 200 and len(r.json()["unpinned"]) == 2
+    assert_pages_balanced(server.wait_idle())

@@ -14,7 +14,7 @@ from radixserve.attention.kv_pool import KVPool
 from radixserve.attention.torch_native import TorchNativeBackend
 from radixserve.models.loader import load_model
 from radixserve.protocol import SegmentReuse
-from radixserve.worker.blend import FULL_LAYERS, blend_chunk, copy_segment_kv, slots_of
+from radixserve.worker.blend import FULL_LAYERS, blend_forward, copy_segment_kv, slots_of
 from radixserve.worker.model_runner import ModelRunner, SequenceChunk
 from radixserve.worker.page_table import PageTable
 
@@ -178,7 +178,7 @@ def test_selection_picks_the_largest_deviations_and_keeps_the_rest_copied(model_
         copy_segment_kv(h.pool, h.model.rotary, src, h.slots(5, run.position, run.position + run.length),
                         torch.full((run.length,), run.position))
     h.give_pages(4, len(tokens))
-    result = blend_chunk(h.model, h.backend, h.table.gather([4]), 0, tokens, runs)
+    result = blend_forward(h.model, h.backend, h.table.gather([4]), [0], [tokens], [runs])
     want: list[int] = []
     for run in runs:
         span = (run.position, run.position + run.length)
@@ -187,7 +187,7 @@ def test_selection_picks_the_largest_deviations_and_keeps_the_rest_copied(model_
         top = deviation.argsort(descending=True)[: run.recompute]
         assert deviation.unique().numel() == run.length  # no ties to blur the check
         want += sorted(run.position + int(j) for j in top)
-    assert result.recomputed == want and len(want) == 7
+    assert result.recomputed == [want] and len(want) == 7
     picked = set(want)
     for layer in range(FULL_LAYERS, NUM_LAYERS):
         for run in runs:

@@ -198,10 +198,7 @@ def _segmented_prompt(
         )
     if len(segments) > MAX_SEGMENTS:
         raise InvalidRequest(f"`segments` has {len(segments)} entries; at most {MAX_SEGMENTS} are allowed", param="segments")
-    for i, piece in enumerate(segments):
-        if not isinstance(piece, str) or not piece:
-            got = "an empty string" if piece == "" else json_type(piece)
-            raise InvalidRequest(f"`segments[{i}]` must be a non-empty string, got {got}", param="segments")
+    _check_segment_list(segments)
     flags = _segment_reuse(reuse, len(segments))
     check_prompt_chars(sum(len(s) for s in segments), limits, context_len, "`segments`", "segments")
     pieces: list[list[int]] = []
@@ -215,6 +212,37 @@ def _segmented_prompt(
     if not total:
         raise InvalidRequest("`segments` hold no tokens; a prompt needs at least one", param="segments")
     return [t for ids in pieces for t in ids], reusable_spans([len(ids) for ids in pieces], flags)
+
+
+def _check_segment_list(segments: list[Any]) -> None:
+    for i, piece in enumerate(segments):
+        if not isinstance(piece, str) or not piece:
+            got = "an empty string" if piece == "" else json_type(piece)
+            raise InvalidRequest(f"`segments[{i}]` must be a non-empty string, got {got}", param="segments")
+
+
+def build_segment_prefixes(
+    tokenizer: Any, ready: WorkerInfo, limits: Limits, *, segments: Any, cache_salt: Any = None,
+) -> tuple[list[list[int]], str | None]:
+    """Segments to pin (``/cache/pin``, ``/cache/unpin``): each one's token ids as it follows
+    other text in a prompt (the way a request's reusable segments are tokenized), and the salt."""
+    if not isinstance(segments, list) or not segments:
+        raise InvalidRequest("`segments` must be a non-empty list of strings", param="segments")
+    if len(segments) > MAX_SEGMENTS:
+        raise InvalidRequest(f"`segments` has {len(segments)} entries; at most {MAX_SEGMENTS} are allowed", param="segments")
+    _check_segment_list(segments)
+    check_prompt_chars(max(len(s) for s in segments), limits, ready.context_len, "a segment", "segments")
+    prefixes = []
+    for i, piece in enumerate(segments):
+        ids = encode_continuation(tokenizer, piece)
+        check_lengths(len(ids), 0, ready.context_len)
+        if len(ids) < ready.page_size:
+            raise InvalidRequest(
+                f"`segments[{i}]` has {len(ids)} tokens, less than one KV page ({ready.page_size}): nothing to pin",
+                param="segments",
+            )
+        prefixes.append(ids)
+    return prefixes, _salt(cache_salt, limits)
 
 
 def _segment_reuse(reuse: Any, count: int) -> list[bool]:
