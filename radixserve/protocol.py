@@ -327,6 +327,9 @@ class WorkerInfo(msgspec.Struct, frozen=True):
     dtype: str
     device: str
     cpu_isa: str  # the CPU ISA tier the worker's kernels use (kernels/isa.py)
+    # what a copied segment token that is not recomputed costs a blend, as a share of a computed
+    # token (it runs through the first layers only: worker/blend.py); step budgets count it so
+    blend_copy_cost: float = 1.0
 
 
 class SchedulerReady(msgspec.Struct, tag=True):

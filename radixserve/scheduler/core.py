@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -121,6 +122,7 @@ class Scheduler:
         )
         if self.kv.caching and not config.disable_segment_cache:
             self.kv.segment_group = group_tokens(config.chunk_size, ADMISSION_SHARE)
+        self._copy_cost = info.blend_copy_cost  # of a blend's copied tokens, in the step budget
         # segments being computed alone for the segment cache, by (namespace, tokens): every
         # request waiting for the same segment waits for the same fill
         self._fills: dict[tuple[str, tuple[int, ...]], Request] = {}
@@ -500,11 +502,23 @@ class Scheduler:
         for req in requests:
             if budget <= 0:
                 break
-            n = self._chunk_len(req, self._grow_for_chunk(req, min(req.fill_len - req.computed_len, budget)))
+            n, cost = self._next_chunk(req, budget)
             if n > 0:
                 self._add_chunk(req, n)
-                budget -= n
+                budget -= cost
         return budget
+
+    def _next_chunk(self, req: Request, budget: int) -> tuple[int, int]:
+        """Pages for the request's next chunk within `budget`, and its (length, cost): a blend's
+        copied tokens cost less than computed ones (`BlendPlan.cost`), and its chunk splits no
+        recompute group."""
+        start = req.computed_len
+        if req.blend is None:
+            n = self._grow_for_chunk(req, min(req.fill_len - start, budget))
+            return n, n
+        end = req.blend.reach(start, req.fill_len, budget, self._copy_cost)
+        n = self._chunk_len(req, self._grow_for_chunk(req, end - start))
+        return n, math.ceil(req.blend.cost(start, start + n, self._copy_cost))
 
     def _admit(self, budget: int, isolated: list[Request] | None = None) -> int:
         """Admit waiting requests with prefill chunks of at most `budget` tokens in all (only
@@ -526,7 +540,8 @@ class Scheduler:
             cached = in_memory + on_disk * self.page_size
             if self._should_wait_for_prefill(req, cached):
                 continue
-            n = min(req.fill_len - cached, budget)
+            # a blend's copies cost less of the budget: its chunk may hold more tokens
+            n = min(req.fill_len - cached, budget if not req.segments else int(budget / self._copy_cost))
             # the pages loaded from disk need pool pages too, the matched ones do not; a blend
             # locks the segment pages it copies from until its prompt is computed
             need = pages_for(cached + n, self.page_size) - in_memory // self.page_size
@@ -541,7 +556,7 @@ class Scheduler:
                 break  # not `continue`: smaller requests must not starve this one forever
             from_memory, from_disk = self.kv.admit(req)
             matched = from_memory + from_disk
-            n = self._chunk_len(req, self._grow_for_chunk(req, n))
+            n, cost = self._next_chunk(req, budget)
             if n == 0:
                 self.kv.release(req)
                 break
@@ -550,7 +565,7 @@ class Scheduler:
             if req.admit() and not req.segment_fill:
                 self._count_admission(req, matched, from_disk)
             self._add_chunk(req, n)
-            budget -= n
+            budget -= cost
         return budget
 
     def _segment_pages(self, req: Request) -> int:

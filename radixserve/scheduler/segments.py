@@ -89,6 +89,30 @@ class BlendPlan:
                 break
         return max(start, end)
 
+    def cost(self, start: int, end: int, copy_cost: float) -> float:
+        """What computing positions [start, end) costs, in computed tokens: a copied token
+        that is not recomputed costs `copy_cost`, every other token 1."""
+        copied = sum(r.length - r.recompute for r in self.runs_in(start, end))
+        return (end - start) - copied * (1.0 - copy_cost)
+
+    def reach(self, start: int, end: int, budget: int, copy_cost: float) -> int:
+        """The furthest chunk end in [start, end] whose tokens cost at most `budget` (`cost`),
+        splitting no group: copies are cheap, so a step's budget covers more of a blend."""
+        spent, at = 0.0, start
+        for run in self.runs:
+            if run.position + run.length <= at or at >= end:
+                continue
+            fresh = min(run.position, end) - at  # computed tokens before the group
+            if fresh > 0:
+                if spent + fresh > budget:
+                    return at + max(0, int(budget - spent))
+                spent, at = spent + fresh, at + fresh
+            group = run.recompute + (run.length - run.recompute) * copy_cost
+            if run.position + run.length > end or spent + group > budget:
+                return at
+            spent, at = spent + group, run.position + run.length
+        return min(end, at + max(0, int(budget - spent)))
+
     def drop_after(self, computed: int) -> None:
         """Forget the groups not yet computed (their tokens are computed like any other)."""
         self.runs = [r for r in self.runs if r.position + r.length <= computed]

@@ -44,6 +44,12 @@ segment, and layer FULL_LAYERS - 1 = 1 is the first where the deviation says whi
 most wrong. A model of at most FULL_LAYERS layers recomputes everything."""
 
 
+def blend_copy_cost(num_layers: int) -> float:
+    """A copied token left as it is runs through FULL_LAYERS of the model's layers: its share of
+    a computed token's work (what the scheduler's step budget counts it as)."""
+    return min(1.0, FULL_LAYERS / num_layers)
+
+
 @dataclass(frozen=True)
 class BlendOutput:
     """A selective forward's result: final hidden states of the tokens that ran through every

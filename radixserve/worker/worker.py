@@ -26,6 +26,7 @@ from radixserve.protocol import (
     WorkerInfo,
     WorkerReady,
 )
+from radixserve.worker.blend import blend_copy_cost
 from radixserve.worker.cuda_graph import graph_batch_sizes
 from radixserve.worker.device import dtype_name, resolve_device, resolve_dtype
 from radixserve.worker.kv_disk import DiskStore, model_key
@@ -107,6 +108,7 @@ class Worker:
                 dtype=dtype_name(self.dtype),
                 device=str(self.device),
                 cpu_isa=str(isa.selected_tier()),
+                blend_copy_cost=blend_copy_cost(len(self.runner.model.layers)),
             ),
             kv_model_key=self.disk.key if self.disk else b"",
             disk_pages=self.disk_pages,

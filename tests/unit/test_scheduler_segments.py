@@ -226,3 +226,25 @@ def test_a_pinned_segment_is_computed_alone_and_reused_without_a_fill():
     assert not [c for c in chunks if c.token_ids[:3] == a[:3]]  # no fill: the pinned segment was there
     assert [r.length for c in chunks for r in c.reuse] == [40]
     assert sched.unpin(UnpinPrefix(2, input_ids=a, cache_salt="t", segment=True)).pins[0].pin_id == pins[0].pin_id
+
+
+def test_copies_cost_less_of_the_step_budget():
+    from radixserve.config import ServerConfig
+    from radixserve.protocol import WorkerInfo, WorkerReady
+    from radixserve.scheduler.core import Scheduler
+
+    config = ServerConfig(page_size=1, chunk_size=64, debug_checks=True)  # groups of 16
+    info = WorkerInfo(2048, 1, 2048, 1000, [2], "fake", "float32", "cpu", "avx2", blend_copy_cost=0.25)
+    sched, worker = Scheduler(config, WorkerReady(info), lambda r: None), FakeWorker(64, 2048, 1)
+    docs = [doc(i, 64) for i in range(3)]
+    sched.add_request(rag("warm", docs, [3], max_new=1))
+    run(sched, worker)
+    before = len(worker.steps)
+    sched.add_request(rag("r", docs[::-1], [3], ratio=0.25, max_new=1))
+    run(sched, worker)
+    chunks = [c for b in worker.steps[before:] for c in b.chunks if c.reuse]
+    # a group of 16 costs 4 recomputed + 12 copies x 0.25 = 7 of the 64-token budget
+    assert max(len(c.token_ids) for c in chunks) > 64
+    for c in chunks:
+        copied = sum(r.length - r.recompute for r in c.reuse)
+        assert len(c.token_ids) - copied * 0.75 <= 64
