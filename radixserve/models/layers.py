@@ -149,6 +149,10 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]."""
+        return self.attend(*self.project(x, cos, sin), attn)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [T, hidden] -> q [T, H, D], k and v [T, Hkv, D], rotary applied."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         q_size, kv_size = self.split_sizes[0], self.split_sizes[1]
@@ -161,5 +165,9 @@ class Attention(nn.Module):
             q = self.q_norm(qkv[:, :q_size].view(t, self.num_heads, self.head_dim))
             k = self.k_norm(qkv[:, q_size : q_size + kv_size].view(t, self.num_kv_heads, self.head_dim))
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return q, k, v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        """Store k, v, attend with q, project: [T, hidden]."""
         out = attn.forward(q, k, v, self.layer_id)  # [T, H, D]
-        return self.o_proj(out.reshape(t, -1))
+        return self.o_proj(out.reshape(q.shape[0], -1))

@@ -36,11 +36,26 @@ class DecoderLayer(nn.Module):
         attn: AttentionBackend,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] (with residual None: the stream itself) -> (mlp output, residual)."""
+        residual, q, k, v = self.project(x, residual, cos, sin)
+        return self.attend(q, k, v, residual, attn)
+
+    def project(
+        self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer's first half: (the residual stream, q, k, v after rotary). A blend reads
+        every token's k, v here but attends with a few (worker/blend.py)."""
         if residual is None:
             residual, normed = x, self.input_layernorm(x)
         else:
             residual, normed = self.input_layernorm.add_and_norm(x, residual)
-        attn_out = self.self_attn(normed, cos, sin, attn)  # [T, hidden]
+        q, k, v = self.self_attn.project(normed, cos, sin)
+        return residual, q, k, v
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, residual: torch.Tensor, attn: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's second half, from `project`'s outputs: attention, then the MLP."""
+        attn_out = self.self_attn.attend(q, k, v, attn)  # [T, hidden]
         residual, normed = self.post_attention_layernorm.add_and_norm(attn_out, residual)
         return self.mlp(normed), residual
 

@@ -8,15 +8,18 @@ ignore everything before the segment in the request, so they are wrong, and the 
 deeper the layer. The selective forward (`blend_forward`), over every chunk of a step at once
 (a chunk without runs is a plain one, all its tokens kept):
 
-1. layers 0 .. FULL_LAYERS - 1 run over every token of the chunks, as a plain forward would
-   (they store fresh K/V for every token there);
-2. in each run, the `recompute` tokens whose fresh K/V at layer FULL_LAYERS - 1 differ most
-   from their copies (squared L2 of the K difference plus the V difference, over heads; ties
-   to the earlier position) are picked;
-3. layers FULL_LAYERS .. L - 1 run over the fresh tokens (those in no run; a prompt's last
-   token always among them) and the picked ones only, at their scattered positions
-   (`AttentionBatch.query_positions`), attending causally over the blended context; the other
-   reused tokens keep their copies in those layers.
+1. layers 0 .. FULL_LAYERS - 2 run over every token of the chunks, as a plain forward would,
+   and so does the q/k/v projection of layer FULL_LAYERS - 1 (the *probe* layer): every token's
+   fresh K/V are stored there;
+2. in each run, the `recompute` tokens whose fresh K/V at the probe layer differ most from
+   their copies (squared L2 of the K difference plus the V difference, over heads; ties to the
+   earlier position) are picked;
+3. the probe layer's attention and MLP, and layers FULL_LAYERS .. L - 1, run over the fresh
+   tokens (those in no run; a prompt's last token always among them) and the picked ones only,
+   at their scattered positions (`AttentionBatch.query_positions`), attending causally over the
+   blended context; the other reused tokens keep their copies in the later layers. (Their
+   hidden states past the probe layer's K/V would feed nothing: the selective forward leaves
+   them uncomputed, and what it computes is what running the probe layer whole would give.)
 
 Every choice is made per run from values that depend only on the request's tokens before and
 in the run, so a request chunked differently (a crash-resumed one), with chunk boundaries
@@ -37,16 +40,18 @@ from radixserve.models.llama import LlamaForCausalLM
 from radixserve.protocol import SegmentReuse
 
 FULL_LAYERS = 2
-"""Layers every token of a blended chunk runs through before the selection. The K/V of layer 0
-depend only on a token and its position, so a re-rotated copy already holds what computing it
-would give, and no deviation shows there; from layer 1 on a copy misses the context before its
+"""Every token of a blended chunk runs through layers 0 .. FULL_LAYERS - 2 and the q/k/v
+projection of layer FULL_LAYERS - 1, the probe, before the selection. The K/V of layer 0 depend
+only on a token and its position, so a re-rotated copy already holds what computing it would
+give, and no deviation shows there; from layer 1 on a copy misses the context before its
 segment, and layer FULL_LAYERS - 1 = 1 is the first where the deviation says which copies are
 most wrong. A model of at most FULL_LAYERS layers recomputes everything."""
 
 
 def blend_copy_cost(num_layers: int) -> float:
-    """A copied token left as it is runs through FULL_LAYERS of the model's layers: its share of
-    a computed token's work (what the scheduler's step budget counts it as)."""
+    """A copied token left as it is runs through the layers before the probe and the probe's
+    q/k/v projection, counted here as FULL_LAYERS whole layers (an upper bound): its share of a
+    computed token's work, what the scheduler's step budget counts it as."""
     return min(1.0, FULL_LAYERS / num_layers)
 
 
@@ -146,9 +151,15 @@ def blend_forward(
 
     backend.plan(whole)
     h, cos, sin = model.embed(input_ids, positions)
-    h, residual = model.run_layers(h, None, cos, sin, backend, 0, FULL_LAYERS)
+    h, residual = model.run_layers(h, None, cos, sin, backend, 0, probe)
+    residual, q, k, v = model.layers[probe].project(h, residual, cos, sin)
+    # every token's K/V at the probe layer are its fresh ones: store them all
+    slots = torch.cat([slots_of(page_table[i], torch.arange(p, p + n, device=device), ps)
+                       for i, (p, n) in enumerate(zip(prefix_lens, lens, strict=True))])
+    pool.flat_k(probe).index_copy_(0, slots, k)
+    pool.flat_v(probe).index_copy_(0, slots, v)
 
-    fresh_k, fresh_v = pool.flat_k(probe).index_select(0, dst_t), pool.flat_v(probe).index_select(0, dst_t)
+    fresh_k, fresh_v = k[packed_t], v[packed_t]
     deviation = (((fresh_k.float() - copied_k.float()) ** 2).sum((1, 2))
                  + ((fresh_v.float() - copied_v.float()) ** 2).sum((1, 2))).cpu()
     keep = torch.ones(starts[-1], dtype=torch.bool)  # the tokens that run through the later layers
@@ -167,7 +178,7 @@ def blend_forward(
         recomputed.append(picked)
     rows = keep.nonzero().squeeze(1)  # ascending
     if not len(rows):  # every token a copy kept as it is: nothing more to compute
-        return BlendOutput(h[:0], rows.to(device), recomputed)
+        return BlendOutput(residual[:0], rows.to(device), recomputed)
     # the later layers' batch: each chunk's kept tokens, at their positions where some were left out
     chunks, extend, query = [], [], []
     for i, n in enumerate(lens):
@@ -180,5 +191,6 @@ def blend_forward(
                            query if any(q is not None for q in query) else None)
     backend.plan(later)
     rows = rows.to(device)
-    h, residual = model.run_layers(h[rows], residual[rows], cos[rows], sin[rows], backend, FULL_LAYERS, num_layers)
+    h, residual = model.layers[probe].attend(q[rows], k[rows], v[rows], residual[rows], backend)
+    h, residual = model.run_layers(h, residual, cos[rows], sin[rows], backend, FULL_LAYERS, num_layers)
     return BlendOutput(model.final_norm(h, residual), rows, recomputed)

@@ -41,7 +41,9 @@ def _options(page_size: int, *extra: str) -> tuple[str, ...]:
 
 @pytest.fixture(scope="module", params=[1, 16], ids=["page1", "page16"])
 def server(request, start_server, model) -> Server:
-    return start_server(model, *_options(request.param))
+    srv = start_server(model, *_options(request.param))
+    srv.page_size = request.param
+    return srv
 
 
 def _segments(order: list[int]) -> list[str]:
@@ -149,3 +151,12 @@ def test_pinned_segments_are_reused_without_being_computed_again(server):
     r = httpx.post(server.url + "/cache/unpin", json={"segments": docs, "cache_salt": "pinned"}, timeout=30)
     assert r.status_code == 200 and len(r.json()["unpinned"]) == 2
     assert_pages_balanced(server.wait_idle())
+
+
+def test_speculative_decoding_keeps_a_blends_greedy_output(start_server, model, server):
+    spec = start_server(model, *_options(server.page_size, "--speculative-algorithm", "ngram"))
+    body = {"segments": _segments([2, 3, 0]), "segment_recompute_ratio": 0.15,
+            "sampling_params": {**GREEDY, "max_new_tokens": 32}}
+    with_spec, plain = _generate(spec, **body), _generate(server, **body)
+    assert with_spec["output_ids"] == plain["output_ids"]
+    assert with_spec["meta_info"]["segment_tokens"] == plain["meta_info"]["segment_tokens"] > 0
