@@ -358,9 +358,10 @@ def _segment_quality(d: dict[str, Any]) -> str:
              f"{r[f'prefix_agreement_{n}']:.3f}"] for ratio, r in q["ratios"].items()]
     table = _table(["recompute ratio", "mean KL", "max KL", "first token agrees", f"first {n} tokens agree (share before the first difference)"],
                    "rrrrr", rows)
-    summary = q.get("summary", {})
+    summary, t = q.get("summary", {}), d["targets"]
     line = (f"KL at the default ratio / KL of naive reuse (ratio 0): **{summary['kl_vs_naive']:.2f}x** "
-            f"(target <= {d['targets']['kl_vs_naive']}x)." if "kl_vs_naive" in summary else "")
+            f"(target <= {t['kl_vs_naive']}x); first-token agreement target at the default ratio: >= "
+            f"{t['first_token_agreement']}." if "kl_vs_naive" in summary else "")
     return f"{table}\n\n{line}".rstrip()
 
 
@@ -382,7 +383,8 @@ def render_segment_reuse(results: Path) -> str:
         sp, t = d["speed"], d["targets"]
         on, off = sp["median"]["on"], sp["median"]["off"]
         su = sp["summary"]
-        lines += ["", f"Speed through HTTP, concurrency as run, {len(sp['rounds']['on'])} rounds each, alternating (medians):", "",
+        lines += ["", f"Speed through HTTP at concurrency {d.get('concurrency', '?')}, {len(sp['rounds']['on'])} rounds "
+                  "each, alternating (medians):", "",
                   _table(["", "mean TTFT", "p99 TTFT", "output tok/s", "prompt tokens from a cache", "of them, from segments"],
                          "lrrrrr", [
                              ["prefix cache only (--disable-segment-cache)", f"{_n(off['mean_ttft_ms'])} ms", f"{_n(off['p99_ttft_ms'])} ms",

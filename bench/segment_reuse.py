@@ -204,6 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     result: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"), "cpu": cpu_model(), "model": args.model, "dtype": args.dtype,
         "page_size": args.page_size, "workload": workload.describe(), "targets": TARGETS,
+        "concurrency": args.concurrency, "default_ratio": args.default_ratio,
     }
     if not args.skip_quality:
         result["quality"] = quality(args, workload, tokenizer)

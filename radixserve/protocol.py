@@ -83,6 +83,8 @@ class ResumedSample(msgspec.Struct, array_like=True, omit_defaults=True):
     index: int  # which of the request's n samples
     output_groups: list[list[int]] = []
     cached_tokens: int = 0  # what the first engine reported; the client keeps seeing it
+    segment_tokens: int = 0  # likewise (RequestOutput.segment_tokens)
+    recomputed_tokens: int = 0
 
 
 class TokenizedRequest(msgspec.Struct, tag=True, omit_defaults=True):

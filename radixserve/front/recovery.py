@@ -54,7 +54,8 @@ class LiveRequest:
     queue: asyncio.Queue
     groups: list[list[list[int]]] = field(default_factory=list)  # per sample: new_token_ids, in order
     finished: list[bool] = field(default_factory=list)
-    cached_tokens: list[int] = field(default_factory=list)
+    # per sample: the cache figures the engine reported (cached, segment, recomputed tokens)
+    reported: list[tuple[int, int, int]] = field(default_factory=list)
     prompt_logprobs_received: bool = False
     sent: bool = False  # submitted to an engine (False: it arrived while one restarted)
     crashes: int = 0  # failing steps it was in since it last sampled a token
@@ -63,14 +64,14 @@ class LiveRequest:
         n = self.request.sampling.n
         self.groups = [[] for _ in range(n)]
         self.finished = [False] * n
-        self.cached_tokens = [0] * n
+        self.reported = [(0, 0, 0)] * n
 
     def record(self, out: RequestOutput) -> None:
         """Note an output as it is dispatched to the caller (before the caller reads it)."""
         if out.new_token_ids:
             self.groups[out.index].append(out.new_token_ids)  # the decoded message's own list
             self.crashes = 0
-        self.cached_tokens[out.index] = out.cached_tokens
+        self.reported[out.index] = (out.cached_tokens, out.segment_tokens, out.recomputed_tokens)
         if out.input_logprobs:
             self.prompt_logprobs_received = True
         if out.finish is not None:
@@ -86,9 +87,9 @@ class LiveRequest:
         resume = []
         if self.sent:
             resume = [
-                ResumedSample(i, groups, cached)
-                for i, (groups, cached, finished) in enumerate(
-                    zip(self.groups, self.cached_tokens, self.finished, strict=True)
+                ResumedSample(i, groups, *reported)
+                for i, (groups, reported, finished) in enumerate(
+                    zip(self.groups, self.reported, self.finished, strict=True)
                 )
                 if not finished
             ]

@@ -173,8 +173,10 @@ class Scheduler:
                 logprob_start_len=msg.logprob_start_len if i == 0 else -1,
                 top_logprobs_num=msg.top_logprobs_num, grammar_wait=pending,
                 output_ids=output_ids, isolated=msg.isolate,
-                # reported before the restart: the client keeps that figure
+                # reported before the restart: the client keeps those figures
                 admitted=bool(output_ids), cached_tokens=resumed[i].cached_tokens if output_ids else 0,
+                segment_tokens=resumed[i].segment_tokens if output_ids else 0,
+                recomputed_tokens=resumed[i].recomputed_tokens if output_ids else 0,
                 segments=spans, recompute_ratio=msg.segment_recompute_ratio, fills=fills,
             )
             self._arrivals += 1

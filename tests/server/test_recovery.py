@@ -290,6 +290,8 @@ def test_a_killed_worker_resumes_segment_streams_with_the_undisturbed_text(tiny_
             assert s.status == 200 and s.done and "error" not in s.events[-1], s.events[-1]
             s.assert_continuous()
             assert s.events[-1]["output_ids"] == want["output_ids"]
+            for key in ("cached_tokens", "segment_tokens", "recomputed_tokens"):  # as the first engine reported
+                assert s.events[-1]["meta_info"][key] == want["meta_info"][key], key
         assert _metric(server, "radixserve_requests_recovered_total") == len(bodies)
         assert_pages_balanced(server.wait_idle())
     finally:

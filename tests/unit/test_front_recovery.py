@@ -27,6 +27,9 @@ def test_a_resubmitted_request_keeps_its_segments_and_recompute_ratio() -> None:
     assert again.rid == 7 and again.input_ids == req.input_ids and again.cache_salt == "s"
     assert again.segments == first.segments and again.segment_recompute_ratio == 0.4
     assert [(s.index, s.output_groups) for s in again.resume] == [(0, []), (1, [[5, 6]])]
+    # the figures the first engine reported go with the resumed sample, for the caller to keep
+    resumed = again.resume[1]
+    assert (resumed.cached_tokens, resumed.segment_tokens, resumed.recomputed_tokens) == (30, 18, 3)
 
 
 def test_a_request_without_segments_is_submitted_as_before() -> None:
