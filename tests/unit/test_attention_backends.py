@@ -301,7 +301,7 @@ class Harness:
         self.model = loaded.model
         shape = self.model.attention_shape()
         self.pool = KVPool(loaded.config.num_layers, num_pages, page_size, shape.num_kv_heads, shape.head_dim, torch.float32)
-        self.table = PageTable(8, num_pages)
+        self.table = PageTable(16, num_pages)
         if backend == "flashinfer":
             self.backend = FlashInferBackend(self.pool, shape, workspace_bytes=1024, **fi_options)
         else:

@@ -5,18 +5,14 @@ layers, head size 64 (so the CPU prefill kernel serves their attention where it 
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 from radixserve.attention.kv_pool import KVPool
-from radixserve.attention.torch_native import TorchNativeBackend
-from radixserve.models.loader import load_model
 from radixserve.protocol import SegmentReuse
 from radixserve.worker.blend import FULL_LAYERS, blend_forward, copy_segment_kv, slots_of
-from radixserve.worker.model_runner import ModelRunner, SequenceChunk
-from radixserve.worker.page_table import PageTable
+from radixserve.worker.model_runner import SequenceChunk
+from tests.unit.test_attention_backends import Harness as RunnerHarness
 
 NUM_LAYERS = 4
 
@@ -39,25 +35,12 @@ def model_dirs(tmp_path_factory):
     }
 
 
-class Harness:
-    """A runner over a shuffled page pool: requests and segments never get contiguous pages."""
+class Harness(RunnerHarness):
+    """The backend tests' runner on torch_native, over a shuffled page pool: requests and
+    segments never get contiguous pages."""
 
     def __init__(self, model_dir, page_size: int, num_pages: int = 400) -> None:
-        loaded = load_model(str(model_dir), dtype=torch.float32)
-        self.model = loaded.model
-        shape = self.model.attention_shape()
-        self.pool = KVPool(loaded.config.num_layers, num_pages, page_size, shape.num_kv_heads, shape.head_dim,
-                           torch.float32)
-        self.table = PageTable(16, num_pages)
-        self.backend = TorchNativeBackend(self.pool, shape)
-        self.runner = ModelRunner(self.model, self.table, self.backend)
-        self.free = list(range(num_pages))
-        random.Random(0).shuffle(self.free)
-        self.page_size = page_size
-
-    def give_pages(self, row: int, num_tokens: int) -> None:
-        need = -(-num_tokens // self.page_size) - self.table.num_pages(row)
-        self.table.append(row, [self.free.pop() for _ in range(max(0, need))])
+        super().__init__(model_dir, page_size, "torch_native", num_pages)
 
     def plain(self, row: int, tokens: list[int], prefix_len: int = 0) -> torch.Tensor:
         """A plain forward of tokens[prefix_len:] in `row`: the last token's logits."""
