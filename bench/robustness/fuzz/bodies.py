@@ -36,12 +36,17 @@ from bench.robustness.fuzz.values import (
 )
 
 
+def long_prompt_ids(draw: Any, target: Target, tags: list[str]) -> list[int]:
+    """A prompt at the edge of the context: it fits with any valid max tokens, or it does not."""
+    tags.append("long-prompt")
+    size = draw(st.sampled_from((target.context_len - target.leaver_tokens, target.context_len, target.context_len + 1)))
+    return [draw(st.sampled_from((1, target.vocab_size - 1)))] * size  # a few prompts: cached after the first
+
+
 def _valid_ids(draw: Any, target: Target, tags: list[str], max_size: int = 8) -> list[int]:
     """A few token ids in the vocabulary (its edges too), now and then a prompt as long as the context."""
-    if one_in(draw, 50):  # at the edge of the context: fits with any valid max tokens, or not
-        tags.append("long-prompt")
-        size = draw(st.sampled_from((target.context_len - target.leaver_tokens, target.context_len, target.context_len + 1)))
-        return [draw(st.sampled_from((1, target.vocab_size - 1)))] * size  # a few prompts: cached after the first
+    if one_in(draw, 50):
+        return long_prompt_ids(draw, target, tags)
     edges = st.sampled_from((0, 1, 2, target.vocab_size - 1))
     return draw(st.lists(st.one_of(st.integers(0, target.vocab_size - 1), edges), min_size=1, max_size=max_size))
 

@@ -20,6 +20,7 @@ from bench.robustness.fuzz.bodies import (
     chat_body,
     completion_body,
     generate_body,
+    long_prompt_ids,
     mutate,
     pin_body,
     tools_body,
@@ -55,7 +56,7 @@ MODES = {"plain": 860, "leave-stream": 60, "leave": 40, "slow": 15, "chunked": 1
 # are hostile tools, tool choices, schemas and regexes, pins, and requests a browser rule must
 # refuse
 KINDS = {"/generate": 300, "/v1/completions": 200, "/v1/chat/completions": 200, "admin": 100, "abort": 75,
-         "flush": 30, "model-card": 30, "wrong-method": 30, "unknown-route": 35,
+         "flush": 30, "model-card": 30, "wrong-method": 30, "unknown-route": 35, "long-prompt": 8,
          "tools": 30, "tool_choice": 25, "schema": 50, "pin": 50, "cross-origin": 40}
 CROSS_ORIGIN_SHAPES = {"foreign-origin": 35, "foreign-host": 20, "content-type": 30, "get-state-changing": 15}
 # the shapes of those five, dealt in these proportions too: each shape is in every plan large
@@ -92,6 +93,11 @@ def fuzz_requests(draw: Any, target: Target, mode: str = "plain", kind: str = "/
         leaves = mode == "leave" or (mode == "leave-stream" and streams)  # a client that stays reads it all
         cap_tokens(body, target, cap if leaves else target.max_new_tokens, path)
         req = FuzzRequest("POST", path, path, body)
+    elif kind == "long-prompt":  # dealt, besides the ones drawn, so that every plan holds some
+        body = {"input_ids": long_prompt_ids(draw, target, tags),
+                "sampling_params": {"max_new_tokens": draw(st.integers(1, 4)), "temperature": 0}}
+        cap_tokens(body, target, target.max_new_tokens, "/generate")
+        req = FuzzRequest("POST", "/generate", "/generate", body)
     elif kind in ("tools", "tool_choice", "schema"):  # hostile as drawn: not mutated further
         path = "/v1/chat/completions" if kind != "schema" else draw(st.sampled_from(GENERATING))
         if kind == "tools":
