@@ -258,8 +258,8 @@ def test_a_model_of_full_layers_only_recomputes_everything(tmp_path):
 
 
 def test_a_mixed_step_keeps_chunk_order(model_dirs):
-    """Plain chunks (one forward) and chunks with reuse (a forward each) in one step: each
-    output where its chunk is, the plain ones as if run alone."""
+    """Plain chunks and a chunk with reuse in one selective forward: each output where its
+    chunk is, every one as if run alone."""
     h = Harness(model_dirs["llama"], 16)
     tokens, runs = _prompt(h, {"A": 1, "B": 2}, {"A": 5, "B": 5})
     other, third = _tokens(33, 7), _tokens(12, 8)
