@@ -248,3 +248,27 @@ def test_copies_cost_less_of_the_step_budget():
     for c in chunks:
         copied = sum(r.length - r.recompute for r in c.reuse)
         assert len(c.token_ids) - copied * 0.75 <= 64
+
+
+def test_the_fills_of_the_request_nearest_to_ready_go_first():
+    """Shortest job first among fills: the later request needing one fill is served before the
+    earlier one needing three, instead of after all of them."""
+    sched, worker = make(page_size=4, chunk_size=40)
+    a, b, c, d = doc(1), doc(2), doc(3), doc(4)
+    sched.add_request(rag("far", [a, b, c], [7, 8]))
+    sched.add_request(rag("near", [d], [5, 6]))
+    first_token_step: dict[str, int] = {}
+    names = {rid("far"): "far", rid("near"): "near"}
+    for step in range(200):
+        batch = sched.build_batch()
+        if batch is None:
+            break
+        sched.process_result(worker.step(batch))
+        for out in take_outputs(sched):
+            if out.new_token_ids:
+                first_token_step.setdefault(names[out.rid], step)
+    starts = (a[:5], b[:5], c[:5], d[:5])
+    fills = [ch.token_ids[:5] for batch in worker.steps for ch in batch.chunks
+             if ch.prefix_len == 0 and ch.token_ids[:5] in starts]
+    assert fills[0] == d[:5]
+    assert first_token_step["near"] < first_token_step["far"]
