@@ -9,6 +9,11 @@
   widened once as K and V are packed), served where it beats torch's CPU flash attention
   (bench/cpu_kernels.py). torch runs its bf16 block matmuls on AMX tiles where the CPU has
   them, so on the AMX tier bf16 stays with torch.
+- Both attention kernels read a KV pool of any `--kv-cache-dtype` format
+  (`radixserve.kernels.kv_quant`): fp32 or bf16, or fp8 / int8 (with its scales), which they
+  dequantize as they read it (decode inside its dot products, prefill while repacking K and V),
+  never through a dequantized copy of the context; queries and outputs stay in the model's
+  dtype. `supports_kv` and `prefill_attention_serves` say which combinations are served.
 - `linear`: fp32 and bf16 linear layers over weights packed once into column panels
   (`pack_linear`; the panel width is the build's); MKL's sgemm repacks nn.Linear's weight on
   every call, which at decode batch sizes costs more than the arithmetic, and oneDNN's bf16
@@ -45,6 +50,7 @@ from pathlib import Path
 import torch
 
 from radixserve.kernels import isa
+from radixserve.kernels.kv_quant import FORMATS, SCALE_DTYPE, KVFormat
 from radixserve.paths import cache_dir
 
 log = logging.getLogger("radixserve.kernels")
@@ -55,7 +61,8 @@ SOURCE_DIR = Path(__file__).parent / "csrc"
 # ISA flags (isa.compile_flags) come after these.
 COMPILE_FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
 LINK_FLAGS = ["-shared", "-fopenmp", "-lm"]
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # compute dtypes (queries, activations)
+KV_CODES = frozenset(fmt.code for fmt in FORMATS.values())  # the KV formats the kernels read
 DISABLE_ENV = "RADIXSERVE_DISABLE_CPU_KERNELS"
 
 
@@ -89,13 +96,15 @@ def _build(compiler: str, target: Path, sources: list[Path] | None = None,
 def _declare(lib: ctypes.CDLL) -> None:
     i64, ptr, f32, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
     lib.paged_decode_attention.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, ptr,
-                                           ptr, i64, i64, i64, i64, i64, f32, cint, cint]
+                                           ptr, i64, i64, i64, i64, i64, f32, cint, cint, ptr, ptr, cint]
     lib.paged_decode_attention.restype = cint
-    lib.prefill_attention.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ptr, ptr, i64, i64,
-                                      i64, f32, cint, cint]
+    lib.prefill_attention.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, ptr, i64,
+                                      i64, i64, f32, cint, cint, cint]
     lib.prefill_attention.restype = cint
     lib.prefill_attention_supported.argtypes = [i64, cint]
     lib.prefill_attention_supported.restype = cint
+    lib.prefill_attention_supported_kv.argtypes = [i64, cint, cint]
+    lib.prefill_attention_supported_kv.restype = cint
     lib.rms_norm.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, f32, cint, cint]
     lib.rms_norm.restype = None
     lib.rotary.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, cint, cint]
@@ -175,6 +184,61 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
 
 
+def supports_kv(compute_dtype: torch.dtype, kv_format: KVFormat | str | None, device: torch.device) -> bool:
+    """Whether `paged_decode` serves queries of `compute_dtype` (fp32 or bf16) over a KV pool of
+    `kv_format` here (None: the pool holds `compute_dtype`). Every format the kernels know
+    (`kv_quant.FORMATS`) is served on every tier: the portable loop reads them all, so a caller
+    that asks only needs a fallback for other dtypes, other devices or no compiler."""
+    fmt = _format(kv_format)
+    if fmt is not None and fmt.code not in KV_CODES:
+        return False
+    return supports(compute_dtype, device)
+
+
+def _format(kv_format: KVFormat | str | None) -> KVFormat | None:
+    """`kv_format` as a KVFormat (a name is looked up in kv_quant.FORMATS)."""
+    if kv_format is None or isinstance(kv_format, KVFormat):
+        return kv_format
+    if kv_format not in FORMATS:
+        raise ValueError(f"unknown KV format {kv_format!r}: expected one of {', '.join(FORMATS)}")
+    return FORMATS[kv_format]
+
+
+def _check_pools(
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_format: KVFormat | str | None,
+    k_scales: torch.Tensor | None, v_scales: torch.Tensor | None,
+) -> tuple[KVFormat | None, int, int | None, int | None]:
+    """Check q, the pools and the int8 scales against `kv_format`: (the format, its element
+    code for the C kernels, and the scales' addresses, None but for int8). The kernels read the
+    pools' bytes as the format says, so a mismatch must stop here."""
+    if q.dtype not in DTYPE_CODES:
+        raise ValueError(f"queries must be float32 or bfloat16, got {q.dtype}")
+    if not (k_pool.is_contiguous() and v_pool.is_contiguous()):
+        raise ValueError("the KV pool must be contiguous")
+    if k_pool.dim() != 3 or v_pool.shape != k_pool.shape:
+        raise ValueError(f"K and V pools must both be [slots, Hkv, D], got {tuple(k_pool.shape)} and {tuple(v_pool.shape)}")
+    fmt = _format(kv_format)
+    storage = q.dtype if fmt is None else fmt.storage
+    if fmt is not None and fmt.code not in KV_CODES:
+        raise ValueError(f"the CPU kernels do not read a {fmt.name} KV pool")
+    if k_pool.dtype != storage or v_pool.dtype != storage:
+        pool = f"without kv_format the KV pool must be {storage}, as q," if fmt is None else \
+            f"a KV pool of {fmt.name} holds {storage},"
+        raise ValueError(f"{pool} got {k_pool.dtype} and {v_pool.dtype}")
+    if fmt is None or not fmt.scaled:
+        if k_scales is not None or v_scales is not None:
+            raise ValueError("k_scales and v_scales are for int8 KV pools only")
+        return fmt, DTYPE_CODES[q.dtype] if fmt is None else fmt.code, None, None
+    for name, scales in (("k_scales", k_scales), ("v_scales", v_scales)):
+        if scales is None:
+            raise ValueError(f"an int8 KV pool needs k_scales and v_scales ({name} is missing)")
+        if scales.dtype != SCALE_DTYPE or scales.shape != k_pool.shape[:2] or not scales.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous {SCALE_DTYPE} tensor of shape {tuple(k_pool.shape[:2])}, "
+                             f"got {scales.dtype} {tuple(scales.shape)}")
+    assert k_scales is not None and v_scales is not None
+    return fmt, fmt.code, k_scales.data_ptr(), v_scales.data_ptr()
+
+
 def paged_decode(
     q: torch.Tensor,
     k_pool: torch.Tensor,
@@ -185,28 +249,38 @@ def paged_decode(
     scale: float,
     k_new: torch.Tensor | None = None,
     v_new: torch.Tensor | None = None,
+    *,
+    kv_format: KVFormat | str | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per request over its paged context.
 
-    q: [B, H, D]; k_pool, v_pool: [slots, Hkv, D] (flat slots, contiguous); page_table:
-    [B, max_pages] int64; seq_lens: [B], the new token included. With k_new, v_new
-    ([B, Hkv, D]) the kernel first stores them at position seq_len - 1 (else they must be in
-    the pool already). Returns [B, H, D] in q's dtype. Only call after `supports` said yes.
+    q: [B, H, D] fp32 or bf16; k_pool, v_pool: [slots, Hkv, D] (flat slots, contiguous) of
+    `kv_format`'s storage dtype (None: q's dtype), read in place and dequantized inside the dot
+    products; k_scales, v_scales: [slots, Hkv] fp16, for int8 only; page_table: [B, max_pages]
+    int64; seq_lens: [B], the new token included. With k_new, v_new ([B, Hkv, D], the pool's
+    dtype) the kernel first stores them at position seq_len - 1 (else they must be in the pool
+    already); a quantized pool takes none (the caller stores kv_quant.quantize's bytes and
+    scales itself). Returns [B, H, D] in q's dtype. Only call after `supports_kv` said yes.
     """
     lib = load_library()
-    assert lib is not None and q.dtype == k_pool.dtype == v_pool.dtype
-    if not (k_pool.is_contiguous() and v_pool.is_contiguous()):
-        raise ValueError("the KV pool must be contiguous")
+    assert lib is not None
+    fmt, kv_code, k_scales_ptr, v_scales_ptr = _check_pools(q, k_pool, v_pool, kv_format, k_scales, v_scales)
     batch, heads, head_dim = q.shape
     kv_heads = k_pool.shape[1]
     if heads % kv_heads or k_pool.shape[2] != head_dim:
         raise ValueError(f"q heads {heads} x {head_dim} do not fit pool heads {tuple(k_pool.shape[1:])}")
     q = _rows(q)
     page_table, seq_lens = _dense(page_table, torch.int64), _dense(seq_lens, torch.int64)
+    if (k_new is not None or v_new is not None) and fmt is not None and fmt.quantized:
+        raise ValueError(f"a {fmt.name} KV pool takes no k_new/v_new: store kv_quant.quantize's bytes and scales first")
     if k_new is not None and v_new is not None:
         k_new, v_new = _rows(k_new), _rows(v_new)
         if k_new.shape != (batch, kv_heads, head_dim) or v_new.shape != k_new.shape:
             raise ValueError(f"new K/V must be [{batch}, {kv_heads}, {head_dim}]")
+        if k_new.dtype != k_pool.dtype or v_new.dtype != k_pool.dtype:
+            raise ValueError(f"new K/V must be {k_pool.dtype}, as the pool, got {k_new.dtype} and {v_new.dtype}")
         new_k_ptr, new_k_stride = k_new.data_ptr(), k_new.stride(0)
         new_v_ptr, new_v_stride = v_new.data_ptr(), v_new.stride(0)
     elif k_new is None and v_new is None:
@@ -219,7 +293,7 @@ def paged_decode(
         q.data_ptr(), q.stride(0), new_k_ptr, new_k_stride, new_v_ptr, new_v_stride,
         k_pool.data_ptr(), v_pool.data_ptr(), page_table.data_ptr(), page_table.stride(0),
         seq_lens.data_ptr(), out.data_ptr(), batch, heads, kv_heads, head_dim, page_size, scale,
-        DTYPE_CODES[q.dtype], torch.get_num_threads(),
+        DTYPE_CODES[q.dtype], kv_code, k_scales_ptr, v_scales_ptr, torch.get_num_threads(),
     )
     if failed:
         raise MemoryError("the CPU decode kernel could not allocate its scratch memory")
@@ -232,13 +306,22 @@ def torch_owns_bf16_matmuls() -> bool:
     return isa.at_least(isa.Tier.AMX)
 
 
-def prefill_attention_serves(dtype: torch.dtype, head_dim: int, device: torch.device) -> bool:
-    """Whether `prefill_attention` serves this dtype and head size here: where the tier's build
-    beats torch's flash attention (`prefill_attention_supported` in csrc/prefill_attention.c
-    says which head sizes and dtypes, per tier), and never bf16 on the AMX tier."""
+def prefill_attention_serves(dtype: torch.dtype, head_dim: int, device: torch.device,
+                             kv_format: KVFormat | str | None = None) -> bool:
+    """Whether `prefill_attention` serves this compute dtype and head size over a KV pool of
+    `kv_format` (None: of `dtype`) here: where the tier's build beats torch's flash attention
+    (`prefill_attention_supported` in csrc/prefill_attention.c says which head sizes and
+    dtypes, per tier; a pool of another format is repacked into fp32 words and served where
+    that tile is), and never bf16 on the AMX tier, whatever the pool."""
     if not supports(dtype, device) or (dtype == torch.bfloat16 and torch_owns_bf16_matmuls()):
         return False
-    return bool(load_library().prefill_attention_supported(head_dim, DTYPE_CODES[dtype]))
+    lib = load_library()
+    fmt = _format(kv_format)
+    if fmt is None:
+        return bool(lib.prefill_attention_supported(head_dim, DTYPE_CODES[dtype]))
+    if fmt.code not in KV_CODES:
+        return False
+    return bool(lib.prefill_attention_supported_kv(head_dim, DTYPE_CODES[dtype], fmt.code))
 
 
 def prefill_attention(
@@ -251,19 +334,28 @@ def prefill_attention(
     scale: float,
     out: torch.Tensor,
     positions: torch.Tensor | None = None,
+    *,
+    kv_format: KVFormat | str | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> None:
     """Causal attention of E new tokens over their request's paged context, into `out`.
 
-    q: [E, H, D] (rows may be strided); k_pool, v_pool: [slots, Hkv, D], contiguous, already
-    holding every position the new tokens see; pages: the request's page ids in order (int64);
-    out: [E, H, D] contiguous. New token i sits at position prefix_len + i, or, with
-    `positions` ([E] ascending, on the CPU), at positions[i] (scattered queries, as a selective
-    recompute has them: the positions between are stored already); it sees positions 0 .. its
-    own. Only call after `prefill_attention_serves` said yes.
+    q: [E, H, D] fp32 or bf16 (rows may be strided); k_pool, v_pool: [slots, Hkv, D],
+    contiguous, of `kv_format`'s storage dtype (None: q's dtype; k_scales, v_scales [slots, Hkv]
+    fp16 for int8), already holding every position the new tokens see; pages: the request's
+    page ids in order (int64); out: [E, H, D] contiguous, q's dtype. New token i sits at
+    position prefix_len + i, or, with `positions` ([E] ascending, on the CPU), at positions[i]
+    (scattered queries, as a selective recompute has them: the positions between are stored
+    already); it sees positions 0 .. its own. Only call after `prefill_attention_serves` said
+    yes.
     """
     lib = load_library()
-    assert lib is not None and q.dtype == k_pool.dtype == v_pool.dtype == out.dtype
-    if not (k_pool.is_contiguous() and v_pool.is_contiguous() and out.is_contiguous()):
+    assert lib is not None
+    fmt, kv_code, k_scales_ptr, v_scales_ptr = _check_pools(q, k_pool, v_pool, kv_format, k_scales, v_scales)
+    if out.dtype != q.dtype:
+        raise ValueError(f"out must be {q.dtype}, as q, got {out.dtype}")
+    if not out.is_contiguous():
         raise ValueError("the KV pool and the output must be contiguous")
     tokens, heads, head_dim = q.shape
     kv_heads = k_pool.shape[1]
@@ -282,14 +374,16 @@ def prefill_attention(
         raise ValueError(f"{pages.numel()} pages of {page_size} cannot hold {seq_len} positions")
     q = _rows(q)
     failed = lib.prefill_attention(
-        q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), pages.data_ptr(), page_size,
-        prefix_len, tokens, None if positions is None else positions.data_ptr(), out.data_ptr(), heads,
-        kv_heads, head_dim, scale, DTYPE_CODES[q.dtype], torch.get_num_threads(),
+        q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), k_scales_ptr, v_scales_ptr,
+        pages.data_ptr(), page_size, prefix_len, tokens, None if positions is None else positions.data_ptr(),
+        out.data_ptr(), heads, kv_heads, head_dim, scale, DTYPE_CODES[q.dtype], kv_code, torch.get_num_threads(),
     )
     if failed == 1:
         raise MemoryError("the CPU prefill kernel could not allocate its scratch memory")
     if failed:
-        raise ValueError(f"the CPU prefill kernel does not serve {str(q.dtype).removeprefix('torch.')} with head size {head_dim}")
+        pool = "" if fmt is None else f" over a KV pool of {fmt.name}"
+        raise ValueError(f"the CPU prefill kernel does not serve {str(q.dtype).removeprefix('torch.')} "
+                         f"with head size {head_dim}{pool}")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

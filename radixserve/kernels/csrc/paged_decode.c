@@ -11,18 +11,30 @@
  *                                  in another's context: the tokens of a checked draft are rows
  *                                  of one request); NULL when already stored
  *   k_pool/v_pool [slots, Hkv, D]  slot = page * page_size + offset
+ *   k/v_scales    [slots, Hkv]     int8 pools only: each row's fp16 scale (NULL otherwise)
  *   page_table    [B, pt_stride]   page ids of each request, in order
  *   seq_lens      [B]              context length of each request (the new token included)
+ *
+ * Element types: q and out are the compute dtype (`dtype`: fp32 or bf16); the pools are the KV
+ * cache's format (`kv`, dtypes.h): fp32, bf16, fp8_e4m3, fp8_e5m2 or int8. Quantized rows are
+ * dequantized as they are read, inside the dot products (never into a copy of the context),
+ * and every product and sum is fp32 as for bf16 pools: fp8 is converted exactly (through fp16
+ * bits: F16C or AVX-512 converts 8 or 16 lanes at once; e4m3's factor 2^8 is folded into the
+ * queries for q.k, exactly, and into the weights for P.V); int8 is widened to fp32 and its
+ * row's scale applied once per row, to the q.k sum and to the row's softmax weight for P.V
+ * (s * (q.k) instead of q.(s * k): equal but for fp32 rounding order). 8-bit rows halve the
+ * bytes a bf16 pool reads, which is what decode is bound by.
  *
  * Work is split into tasks of one request and a range of its kv heads. For each kv head, its
  * G = H / Hkv query heads share every K/V row read: two passes over the context, scores (then
  * an exact softmax with the true max), then the weighted sum of V. Accumulation is in fp32
  * whatever the storage dtype. With AVX-512 or AVX2 + FMA and a head size of 64 or 128 the work
- * runs in vector registers (head_group_simd, one body for both: 16 or 8 fp32 lanes, bf16
- * widened; for bf16 with AVX-512 BF16, head_group_bf16, which multiplies bf16 pairs without
- * widening them); other shapes, and builds without those ISA flags, take the portable loop.
- * On x86 the first kv head's pass prefetches the task's whole rows into L2 ahead of itself
- * (prefetch_context), and the last one the next request's (prefetch_next): pages are
+ * runs in vector registers (head_group_simd, one body for both and for every KV format: 16 or
+ * 8 fp32 lanes, bf16 widened, 8-bit formats converted; for bf16 queries over a bf16 pool with
+ * AVX-512 BF16, head_group_bf16, which multiplies bf16 pairs without widening them); other
+ * shapes, and builds without those ISA flags, take the portable loop, which serves every
+ * format too. On x86 the first kv head's pass prefetches the task's whole rows into L2 ahead
+ * of itself (prefetch_context), and the last one the next request's (prefetch_next): pages are
  * scattered, and the hardware prefetcher alone reads them at half the memory's bandwidth.
  */
 #include <float.h>
@@ -40,7 +52,9 @@ typedef struct {
     void *k_pool, *v_pool, *out;
     int64_t H, Hkv, D;
     float scale;
-    int dtype;
+    int dtype;                         /* q and out: fp32 or bf16 */
+    int kv;                            /* the pools' format (dtypes.h) */
+    const uint16_t *k_scales, *v_scales; /* int8: [slots, Hkv] fp16; else NULL */
     /* per request */
     int64_t b, seq_len;
     int64_t kv0, kv1;          /* the task's kv heads */
@@ -88,8 +102,20 @@ static void store_output(const Task *t, int64_t kvh, const float *acc, const flo
     }
 }
 
-/* Portable path: any head size, any CPU. scratch holds [G*D] q, [G*D] acc, [G*L] scores. */
-static void head_group_portable(const Task *t, int64_t kvh, float *scratch) {
+/* After the softmax: each weight times `factor` and its V row's scale (int8), so the product
+ * with V reads the stored row as it is. The sums stay those of the unscaled weights. */
+static void scale_weights(const Task *t, int64_t kvh, float *scores, int64_t G, int64_t L, float factor) {
+    if (t->kv != DTYPE_INT8 && factor == 1.0f) return;
+    for (int64_t i = 0; i < L; i++) {
+        const float f = factor * row_scale(t->v_scales, t->kv, t->slots[i], t->Hkv, kvh);
+        for (int64_t g = 0; g < G; g++) scores[g * L + i] *= f;
+    }
+}
+
+/* Portable path: any head size, any CPU; inlined once per KV format (a constant KV), so the
+ * element loads fold. scratch holds [G*D] q, [G*D] acc, [G*L] scores. */
+static inline __attribute__((always_inline)) void head_group_portable_kv(const Task *t, int64_t kvh,
+                                                                         float *scratch, const int KV) {
     const int64_t G = t->H / t->Hkv, D = t->D, L = t->seq_len;
     float *qf = scratch, *acc = qf + G * D, *scores = acc + G * D;
     float maxes[G], sums[G];
@@ -97,23 +123,36 @@ static void head_group_portable(const Task *t, int64_t kvh, float *scratch) {
     for (int64_t g = 0; g < G; g++) maxes[g] = -FLT_MAX; /* not -INFINITY: built with -ffast-math */
     for (int64_t i = 0; i < L; i++) {
         const int64_t row = (t->slots[i] * t->Hkv + kvh) * D;
+        const float ks = row_scale(t->k_scales, KV, t->slots[i], t->Hkv, kvh);
         for (int64_t g = 0; g < G; g++) {
             float s = 0.0f;
-            for (int64_t d = 0; d < D; d++) s += qf[g * D + d] * load_element(t->k_pool, row + d, t->dtype);
+            for (int64_t d = 0; d < D; d++) s += qf[g * D + d] * load_element(t->k_pool, row + d, KV);
+            s *= ks;
             scores[g * L + i] = s;
             if (s > maxes[g]) maxes[g] = s;
         }
     }
     softmax_weights(scores, maxes, sums, G, L);
+    scale_weights(t, kvh, scores, G, L, 1.0f);
     memset(acc, 0, G * D * sizeof(float));
     for (int64_t i = 0; i < L; i++) {
         const int64_t row = (t->slots[i] * t->Hkv + kvh) * D;
         for (int64_t d = 0; d < D; d++) {
-            const float v = load_element(t->v_pool, row + d, t->dtype);
+            const float v = load_element(t->v_pool, row + d, KV);
             for (int64_t g = 0; g < G; g++) acc[g * D + d] += scores[g * L + i] * v;
         }
     }
     store_output(t, kvh, acc, sums);
+}
+
+static void head_group_portable(const Task *t, int64_t kvh, float *scratch) {
+    switch (t->kv) {
+    case DTYPE_BFLOAT16: head_group_portable_kv(t, kvh, scratch, DTYPE_BFLOAT16); break;
+    case DTYPE_FP8_E4M3: head_group_portable_kv(t, kvh, scratch, DTYPE_FP8_E4M3); break;
+    case DTYPE_FP8_E5M2: head_group_portable_kv(t, kvh, scratch, DTYPE_FP8_E5M2); break;
+    case DTYPE_INT8: head_group_portable_kv(t, kvh, scratch, DTYPE_INT8); break;
+    default: head_group_portable_kv(t, kvh, scratch, DTYPE_FLOAT32); break;
+    }
 }
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -134,11 +173,18 @@ static inline __attribute__((always_inline)) void prefetch_row(const void *pool,
 
 /* `count` elements of both pools from element `offset` on, into L2. */
 static inline __attribute__((always_inline)) void prefetch_pools_l2(const Task *t, int64_t offset, int64_t count) {
-    const int64_t elem = element_size(t->dtype);
+    const int64_t elem = element_size(t->kv);
     for (int64_t byte = offset * elem; byte < (offset + count) * elem; byte += 64) {
         _mm_prefetch((const char *)t->k_pool + byte, _MM_HINT_T1);
         _mm_prefetch((const char *)t->v_pool + byte, _MM_HINT_T1);
     }
+}
+
+/* int8: the scales of a slot's rows (kv heads [kv0, kv0 + count)) into L2, with its rows. */
+static inline __attribute__((always_inline)) void prefetch_scales_l2(const Task *t, int64_t slot, int64_t kv0) {
+    if (t->kv != DTYPE_INT8) return;
+    _mm_prefetch((const char *)(t->k_scales + slot * t->Hkv + kv0), _MM_HINT_T1);
+    _mm_prefetch((const char *)(t->v_scales + slot * t->Hkv + kv0), _MM_HINT_T1);
 }
 
 /* The task's K and V rows of position i (all its kv heads: one contiguous run per slot) into
@@ -147,6 +193,7 @@ static inline __attribute__((always_inline)) void prefetch_pools_l2(const Task *
  * hardware prefetcher does, which loses the stream at every scattered page. */
 static inline __attribute__((always_inline)) void prefetch_position(const Task *t, int64_t i) {
     prefetch_pools_l2(t, (t->slots[i] * t->Hkv + t->kv0) * t->D, (t->kv1 - t->kv0) * t->D);
+    prefetch_scales_l2(t, t->slots[i], t->kv0);
 }
 
 /* The rows of position i of the request this thread will likely take next into L2, from the
@@ -156,6 +203,7 @@ static inline __attribute__((always_inline)) void prefetch_next(const Task *t, i
     if (kvh != t->kv1 - 1 || kvh == t->kv0 || t->next_pages == NULL || i >= t->next_len) return;
     const int64_t slot = t->next_pages[i / t->page_size] * t->page_size + i % t->page_size;
     prefetch_pools_l2(t, slot * t->Hkv * t->D, t->Hkv * t->D);
+    prefetch_scales_l2(t, slot, 0);
 }
 
 /* Called by every kv head's pass over K at position i; only the first head's pass prefetches
@@ -184,12 +232,23 @@ static inline __attribute__((always_inline)) vfloat vec_fmadd(vfloat a, vfloat b
 static inline __attribute__((always_inline)) void vec_reduce_group(const vfloat *s, const int G, float *sums) {
     for (int g = 0; g < G; g++) sums[g] = _mm512_reduce_add_ps(s[g]);
 }
-/* LANES elements of a pool from element `offset` on, as fp32 (bf16 widened) */
-static inline __attribute__((always_inline)) vfloat vec_load(const void *base, int dtype, int64_t offset) {
-    if (dtype == DTYPE_BFLOAT16) {
+/* LANES elements of a pool of format KV from element `offset` on, as fp32: bf16 widened; fp8
+ * as fp16 bits (e4m3: its value times 2^-8, see dtypes.h), converted by vcvtph2ps; int8 the
+ * integers (scales are applied per row) */
+static inline __attribute__((always_inline)) vfloat vec_load(const void *base, const int KV, int64_t offset) {
+    if (KV == DTYPE_BFLOAT16) {
         const __m256i raw = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + offset));
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
     }
+    if (KV == DTYPE_FP8_E4M3 || KV == DTYPE_FP8_E5M2) {
+        const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)((const uint8_t *)base + offset)));
+        if (KV == DTYPE_FP8_E5M2) return _mm512_cvtph_ps(_mm256_slli_epi16(bytes, 8));
+        const __m256i shifted = _mm256_slli_epi16(bytes, 7); /* the sign at bit 14 ... */
+        const __m256i halves = _mm256_add_epi16(shifted, _mm256_and_si256(shifted, _mm256_set1_epi16(0x4000)));
+        return _mm512_cvtph_ps(halves); /* ... carried to bit 15 */
+    }
+    if (KV == DTYPE_INT8)
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)base + offset))));
     return _mm512_loadu_ps((const float *)base + offset);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -219,9 +278,18 @@ static inline __attribute__((always_inline)) void vec_reduce_group(const vfloat 
     }
     for (int g = 0; g < G; g++) sums[g] = out[g];
 }
-static inline __attribute__((always_inline)) vfloat vec_load(const void *base, int dtype, int64_t offset) {
-    return dtype == DTYPE_BFLOAT16 ? avx2_load_bf16((const uint16_t *)base + offset)
-                                   : _mm256_loadu_ps((const float *)base + offset);
+/* as the AVX-512 vec_load, 8 lanes (F16C's vcvtph2ps) */
+static inline __attribute__((always_inline)) vfloat vec_load(const void *base, const int KV, int64_t offset) {
+    if (KV == DTYPE_BFLOAT16) return avx2_load_bf16((const uint16_t *)base + offset);
+    if (KV == DTYPE_FP8_E4M3 || KV == DTYPE_FP8_E5M2) {
+        const __m128i bytes = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)((const uint8_t *)base + offset)));
+        if (KV == DTYPE_FP8_E5M2) return _mm256_cvtph_ps(_mm_slli_epi16(bytes, 8));
+        const __m128i shifted = _mm_slli_epi16(bytes, 7); /* the sign at bit 14 ... */
+        return _mm256_cvtph_ps(_mm_add_epi16(shifted, _mm_and_si128(shifted, _mm_set1_epi16(0x4000)))); /* ... to 15 */
+    }
+    if (KV == DTYPE_INT8)
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)base + offset))));
+    return _mm256_loadu_ps((const float *)base + offset);
 }
 #endif
 
@@ -239,58 +307,67 @@ static inline __attribute__((always_inline)) int tile_chunks(const int G, const 
     return chunks;
 }
 
-/* One kv head with G query heads of CH LANES-float chunks each (fp32, or bf16 widened to fp32).
- * Always inlined with constant G and CH, so the loops unroll into registers.
+/* One kv head with G query heads of CH LANES-float chunks each, over a pool of format KV (fp32;
+ * bf16 widened to fp32; fp8 or int8 converted, see vec_load). Always inlined with constant G,
+ * CH and KV, so the loops unroll into registers and the loads fold.
  *
  * Scores: each K chunk is loaded once and multiplied into G running sums, so the K row is
  * read once for all G heads and only G + 1 vectors are live besides q (which stays in
  * registers where they suffice, else in L1: an FMA takes it as a memory operand).
  * P.V: G * CH accumulators fit the registers only for small shapes (12 of 16 ymm with AVX2),
  * so the chunks are split into tiles of CT that do, and the context into blocks of PV_BLOCK
- * positions: each tile sweeps the block's V rows, which stay in L1 for the next tile. */
+ * positions: each tile sweeps the block's V rows, which stay in L1 for the next tile.
+ * Scales: vec_load gives e4m3 times 2^-8, so the queries are multiplied by 2^8 (exact: the
+ * products are those of the dequantized keys) and the weights too; int8 rows' scales multiply
+ * their score and (scale_weights) their weight. */
 static inline __attribute__((always_inline)) void head_group_simd(const Task *t, int64_t kvh,
                                                                   float *scores, const int G,
-                                                                  const int CH) {
+                                                                  const int CH, const int KV) {
     const int64_t D = t->D, L = t->seq_len, Hkv = t->Hkv;
-    const int dtype = t->dtype;
     const int CT = tile_chunks(G, CH);
+    const float fp8_factor = KV == DTYPE_FP8_E4M3 ? 256.0f : 1.0f;
     vfloat qv[MAX_GROUP * MAX_CHUNKS];
     float maxes[MAX_GROUP], sums[MAX_GROUP], qf[MAX_GROUP * MAX_HEAD];
     load_queries(t, kvh, qf);
     for (int g = 0; g < G; g++) {
         maxes[g] = -FLT_MAX;
-        for (int c = 0; c < CH; c++) qv[g * CH + c] = vec_loadf(qf + g * D + LANES * c);
+        for (int c = 0; c < CH; c++) {
+            const vfloat q = vec_loadf(qf + g * D + LANES * c);
+            qv[g * CH + c] = KV == DTYPE_FP8_E4M3 ? vec_mul(q, vec_set1(fp8_factor)) : q;
+        }
     }
 
     for (int64_t i = 0; i < L; i++) {
         const int64_t row = (t->slots[i] * Hkv + kvh) * D;
         prefetch_context(t, kvh, i);
         prefetch_next(t, kvh, i);
-        if (i + PREFETCH_AHEAD < L) prefetch_row(t->k_pool, dtype, (t->slots[i + PREFETCH_AHEAD] * Hkv + kvh) * D, D);
+        if (i + PREFETCH_AHEAD < L) prefetch_row(t->k_pool, KV, (t->slots[i + PREFETCH_AHEAD] * Hkv + kvh) * D, D);
         vfloat s[MAX_GROUP];
         /* unrolled whole (gcc stops short at 16 chunks), else the sums live on the stack */
 #pragma GCC unroll 16
         for (int c = 0; c < CH; c++) {
-            const vfloat k = vec_load(t->k_pool, dtype, row + LANES * c);
+            const vfloat k = vec_load(t->k_pool, KV, row + LANES * c);
             for (int g = 0; g < G; g++) s[g] = c == 0 ? vec_mul(qv[g * CH], k) : vec_fmadd(qv[g * CH + c], k, s[g]);
         }
         float dots[MAX_GROUP];
         vec_reduce_group(s, G, dots);
+        const float ks = row_scale(t->k_scales, KV, t->slots[i], Hkv, kvh);
         for (int g = 0; g < G; g++) {
-            const float score = dots[g];
+            const float score = KV == DTYPE_INT8 ? dots[g] * ks : dots[g];
             scores[g * L + i] = score;
             maxes[g] = score > maxes[g] ? score : maxes[g];
         }
     }
 
     softmax_weights(scores, maxes, sums, G, L);
+    scale_weights(t, kvh, scores, G, L, fp8_factor);
 
     float *acc = qf; /* q is in qv now */
     memset(acc, 0, G * D * sizeof(float));
     for (int64_t i0 = 0; i0 < L; i0 += PV_BLOCK) {
         const int64_t i1 = i0 + PV_BLOCK < L ? i0 + PV_BLOCK : L;
         for (int64_t i = i0 + PREFETCH_AHEAD; i < i1 + PREFETCH_AHEAD && i < L; i++)
-            prefetch_row(t->v_pool, dtype, (t->slots[i] * Hkv + kvh) * D, D);
+            prefetch_row(t->v_pool, KV, (t->slots[i] * Hkv + kvh) * D, D);
         for (int c0 = 0; c0 < CH; c0 += CT) {
             vfloat a[MAX_GROUP * MAX_CHUNKS];
             for (int g = 0; g < G; g++)
@@ -301,7 +378,7 @@ static inline __attribute__((always_inline)) void head_group_simd(const Task *t,
                 for (int g = 0; g < G; g++) w[g] = vec_set1(scores[g * L + i]);
 #pragma GCC unroll 16
                 for (int c = 0; c < CT; c++) {
-                    const vfloat v = vec_load(t->v_pool, dtype, row + LANES * c);
+                    const vfloat v = vec_load(t->v_pool, KV, row + LANES * c);
                     for (int g = 0; g < G; g++) a[g * CT + c] = vec_fmadd(w[g], v, a[g * CT + c]);
                 }
             }
@@ -398,17 +475,23 @@ static inline __attribute__((always_inline)) void head_group_bf16(const Task *t,
 }
 #endif
 
-/* The register path of a (G, D) shape: bf16 pairs where the CPU multiplies them, else fp32
- * vectors (bf16 widened). */
+/* The register path of a (G, D) shape: bf16 pairs where the CPU multiplies them (bf16 queries
+ * over a bf16 pool), else fp32 vectors, one copy per KV format. */
 static inline __attribute__((always_inline)) void head_group_registers(const Task *t, int64_t kvh, float *scores,
                                                                        const int G, const int D) {
 #ifdef __AVX512BF16__
-    if (t->dtype == DTYPE_BFLOAT16) {
+    if (t->dtype == DTYPE_BFLOAT16 && t->kv == DTYPE_BFLOAT16) {
         head_group_bf16(t, kvh, scores, G, D / 32);
         return;
     }
 #endif
-    head_group_simd(t, kvh, scores, G, D / LANES);
+    switch (t->kv) {
+    case DTYPE_BFLOAT16: head_group_simd(t, kvh, scores, G, D / LANES, DTYPE_BFLOAT16); break;
+    case DTYPE_FP8_E4M3: head_group_simd(t, kvh, scores, G, D / LANES, DTYPE_FP8_E4M3); break;
+    case DTYPE_FP8_E5M2: head_group_simd(t, kvh, scores, G, D / LANES, DTYPE_FP8_E5M2); break;
+    case DTYPE_INT8: head_group_simd(t, kvh, scores, G, D / LANES, DTYPE_INT8); break;
+    default: head_group_simd(t, kvh, scores, G, D / LANES, DTYPE_FLOAT32); break;
+    }
 }
 
 /* The register path for this shape, instantiated for head sizes 64 and 128 and G <= 8;
@@ -432,9 +515,11 @@ static int head_group_fast(const Task *t, int64_t kvh, float *scores) {
 }
 #endif
 
-/* Row b's new K and V (all kv heads) into the slot of its last position. */
+/* Row b's new K and V (all kv heads) into the slot of its last position: already in the pool's
+ * format (only unquantized pools take new rows here; the caller quantizes and stores 8-bit
+ * ones itself). */
 static void store_new(const Task *call, const int64_t *pages, int64_t page_size, int64_t seq_len, int64_t b) {
-    const size_t elem = element_size(call->dtype), bytes = call->Hkv * call->D * elem;
+    const size_t elem = element_size(call->kv), bytes = call->Hkv * call->D * elem;
     const int64_t slot = pages[(seq_len - 1) / page_size] * page_size + (seq_len - 1) % page_size;
     const int64_t dst = slot * call->Hkv * call->D * elem;
     memcpy((char *)call->k_pool + dst, (const char *)call->k_new + b * call->k_row_stride * elem, bytes);
@@ -456,13 +541,15 @@ static void attend(Task *task, const int64_t *pages, int64_t page_size, int64_t 
     }
 }
 
-/* Returns 0 on success, 1 when a thread could not get its scratch memory. */
+/* `dtype` is q's and out's (fp32 or bf16), `kv` the pools' format (k/v_scales for int8, else
+ * NULL). Returns 0 on success, 1 when a thread could not get its scratch memory. */
 int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_new,
                            int64_t k_row_stride, const void *v_new, int64_t v_row_stride,
                            void *k_pool, void *v_pool, const int64_t *page_table,
                            int64_t pt_stride, const int64_t *seq_lens, void *out, int64_t B,
                            int64_t H, int64_t Hkv, int64_t D, int64_t page_size, float scale,
-                           int dtype, int num_threads) {
+                           int dtype, int kv, const uint16_t *k_scales, const uint16_t *v_scales,
+                           int num_threads) {
     int64_t max_len = 0;
     for (int64_t b = 0; b < B; b++)
         if (seq_lens[b] > max_len) max_len = seq_lens[b];
@@ -474,7 +561,7 @@ int paged_decode_attention(const void *q, int64_t q_row_stride, const void *k_ne
     /* q and accumulators, scores, and (bf16) the weights rounded in pairs */
     const size_t scratch_floats = (size_t)(2 * G * D + 2 * G * (max_len + 1));
     const Task call = {q, k_new, v_new, q_row_stride, k_row_stride, v_row_stride, k_pool, v_pool,
-                       out, H, Hkv, D, scale, dtype, 0, 0, 0, 0, NULL, NULL, 0, 0};
+                       out, H, Hkv, D, scale, dtype, kv, k_scales, v_scales, 0, 0, 0, 0, NULL, NULL, 0, 0};
     int failed = 0;
 
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)

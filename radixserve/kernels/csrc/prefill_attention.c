@@ -15,11 +15,20 @@
  * Which head sizes and dtypes a build serves is `tile_serves`: only where it beats torch's
  * flash attention on a CPU of that tier.
  *
+ * Element types: q and out are the compute dtype (`dtype`: fp32 or bf16); the pools are the KV
+ * cache's format (`kv`, dtypes.h): fp32, bf16, or an 8-bit one (fp8_e4m3, fp8_e5m2, int8 with
+ * an fp16 scale per token and kv head in k/v_scales [slots, Hkv]). The repacking below is
+ * where the pools are read, so it is where 8-bit pools are dequantized, exactly, into the
+ * fp32 words the non-bf16 tiles read (int8: each element times its row's scale); the tiles
+ * themselves never see a format but fp32 words or (AVX-512 BF16, bf16 queries over a bf16
+ * pool) bf16 pairs.
+ *
  * Layouts (row-major):
  *   q    [E, H, D]        the new tokens' queries, rows q_row_stride elements apart
  *   out  [E, H, D]        contiguous
  *   k_pool/v_pool [slots, Hkv, D]  slot = page * page_size + offset; the new tokens' K/V are
  *                                  already stored (positions prefix_len .. prefix_len + E - 1)
+ *   k/v_scales [slots, Hkv]        int8 pools only: each row's fp16 scale (NULL otherwise)
  *   pages                 the request's page ids, in order
  *   positions [E] or NULL the new tokens' positions, ascending (scattered queries: a selective
  *                         recompute); NULL = prefix_len .. prefix_len + E - 1. A new token at
@@ -33,7 +42,9 @@
  * is one fp32 element or, for bf16, the pair (d, d+1), W = D or D/2 words per key) and V is
  * gathered into one contiguous block (bf16: key pairs interleaved, [S/2][D] words of
  * (V[j][d], V[j+1][d]), the layout of the bf16 dot product vdpbf16ps). A tile without bf16
- * arithmetic gets bf16 K and V widened to fp32 words instead. A task is TR query rows of one
+ * arithmetic gets bf16 K and V widened to fp32 words instead, and so does any pool whose format
+ * is not the queries' (8-bit ones dequantized, an fp32 pool under bf16 queries as it is, a
+ * bf16 pool under fp32 queries widened). A task is TR query rows of one
  * kv head (rows are (position, head of the group) pairs); it walks the keys in blocks of 64:
  * scores, online softmax, probabilities to a small buffer, then the outputs gain P.V.
  */
@@ -58,30 +69,34 @@
 #include "avx2.h"
 #endif
 
-/* Whether this build's tile serves the head size and dtype: only where it beats torch's flash
- * attention with torch capped to the build's tier (RADIXSERVE_CPU_ISA); `python -m bench.cpu_kernels
- * --isa TIER` measures it:
+/* Whether this build's tile serves the head size, compute dtype and KV format: only where it
+ * beats torch's flash attention with torch capped to the build's tier (RADIXSERVE_CPU_ISA);
+ * `python -m bench.cpu_kernels --isa TIER` measures it:
  *   - AVX-512 BF16: bf16 at 64 and 128; fp32 at 64 (at 128, with 3 rows per tile to keep
  *     their outputs in registers, torch is faster).
  *   - AVX-512 without BF16: fp32 at 64; bf16 at 64, widened. At 128 neither beats torch (in
  *     the AVX2 tile neither).
- *   - AVX2: fp32 and bf16 at 64 and 128. */
-static int tile_serves(int64_t D, int dtype) {
+ *   - AVX2: fp32 and bf16 at 64 and 128.
+ * A pool whose format is not the compute dtype (8-bit, or mixed) is packed into fp32 words:
+ * served where the fp32-word tile is, at 64 with AVX-512 and at 64 and 128 with AVX2. */
+static int tile_serves(int64_t D, int dtype, int kv) {
+    if (dtype != DTYPE_FLOAT32 && dtype != DTYPE_BFLOAT16) return 0;
+    if (kv < DTYPE_FLOAT32 || kv > DTYPE_INT8) return 0;
 #if defined(AVX512_TILE) && defined(__AVX512BF16__)
-    return D == 64 || (D == 128 && dtype == DTYPE_BFLOAT16);
+    return D == 64 || (D == 128 && dtype == DTYPE_BFLOAT16 && kv == DTYPE_BFLOAT16);
 #elif defined(AVX512_TILE)
-    (void)dtype;
     return D == 64;
 #elif defined(AVX2_TILE)
-    (void)dtype;
     return D == 64 || D == 128;
 #else
-    (void)D, (void)dtype;
+    (void)D;
     return 0;
 #endif
 }
 
-int prefill_attention_supported(int64_t head_dim, int dtype) { return tile_serves(head_dim, dtype); }
+/* Over a pool of the compute dtype (the call before 8-bit KV formats). */
+int prefill_attention_supported(int64_t head_dim, int dtype) { return tile_serves(head_dim, dtype, dtype); }
+int prefill_attention_supported_kv(int64_t head_dim, int dtype, int kv) { return tile_serves(head_dim, dtype, kv); }
 
 #if defined(AVX512_TILE) || defined(AVX2_TILE)
 typedef struct {
@@ -96,36 +111,63 @@ typedef struct {
     int64_t head_stride;                 /* words of one head's packed K (and of its V) */
 } Call;
 
+/* Row (slot, h) of a pool of format KV as D fp32 values, exactly kv_quant.dequantize's (int8:
+ * each element times the row's scale, an exact product). Inlined with a constant KV. */
+static inline __attribute__((always_inline)) void dequantize_row_kv(const void *pool, const uint16_t *scales,
+                                                                    int64_t slot, int64_t Hkv, int64_t h,
+                                                                    int64_t D, float *dst, const int KV) {
+    const int64_t offset = (slot * Hkv + h) * D;
+    const float s = row_scale(scales, KV, slot, Hkv, h);
+    for (int64_t d = 0; d < D; d++) dst[d] = KV == DTYPE_INT8 ? load_element(pool, offset + d, KV) * s
+                                                               : load_element(pool, offset + d, KV);
+}
+
+static void dequantize_row(const void *pool, const uint16_t *scales, int kv, int64_t slot, int64_t Hkv,
+                           int64_t h, int64_t D, float *dst) {
+    switch (kv) {
+    case DTYPE_BFLOAT16: dequantize_row_kv(pool, scales, slot, Hkv, h, D, dst, DTYPE_BFLOAT16); break;
+    case DTYPE_FP8_E4M3: dequantize_row_kv(pool, scales, slot, Hkv, h, D, dst, DTYPE_FP8_E4M3); break;
+    case DTYPE_FP8_E5M2: dequantize_row_kv(pool, scales, slot, Hkv, h, D, dst, DTYPE_FP8_E5M2); break;
+    case DTYPE_INT8: dequantize_row_kv(pool, scales, slot, Hkv, h, D, dst, DTYPE_INT8); break;
+    default: dequantize_row_kv(pool, scales, slot, Hkv, h, D, dst, DTYPE_FLOAT32); break;
+    }
+}
+
 /* K of kv head h as [ceil(S/64)][W][64] words, W = the words of one key row (zero past S).
- * `packed` is the dtype of the words: the pool's, or fp32 for a bf16 pool (widened). */
-static void pack_keys(const void *k_pool, const int64_t *slots, int64_t S, int64_t Hkv, int64_t h,
-                      int64_t D, int dtype, int packed, uint32_t *dst) {
+ * `packed` is the dtype of the words: the pool's format `kv` (fp32, or bf16 pairs), or fp32
+ * for any other (bf16 widened, 8-bit dequantized with `scales`). */
+static void pack_keys(const void *k_pool, const uint16_t *scales, const int64_t *slots, int64_t S, int64_t Hkv,
+                      int64_t h, int64_t D, int kv, int packed, uint32_t *dst) {
     const int64_t words = D * element_size(packed) / 4, blocks = (S + KEY_BLOCK - 1) / KEY_BLOCK;
     memset(dst, 0, blocks * words * KEY_BLOCK * sizeof(uint32_t));
+    float row[D];
     for (int64_t j = 0; j < S; j++) {
-        const char *row = (const char *)k_pool + (slots[j] * Hkv + h) * D * element_size(dtype);
         uint32_t *col = dst + (j / KEY_BLOCK) * words * KEY_BLOCK + j % KEY_BLOCK;
-        if (packed != dtype) {
-            for (int64_t d = 0; d < D; d++) col[d * KEY_BLOCK] = (uint32_t)((const uint16_t *)row)[d] << 16;
+        if (packed != kv) {
+            dequantize_row(k_pool, scales, kv, slots[j], Hkv, h, D, row);
+            for (int64_t d = 0; d < D; d++) memcpy(col + d * KEY_BLOCK, row + d, sizeof(float));
         } else {
-            for (int64_t w = 0; w < words; w++) col[w * KEY_BLOCK] = ((const uint32_t *)row)[w];
+            const uint32_t *stored = (const uint32_t *)((const char *)k_pool + (slots[j] * Hkv + h) * D * element_size(kv));
+            for (int64_t w = 0; w < words; w++) col[w * KEY_BLOCK] = stored[w];
         }
     }
 }
 
 /* V of kv head h, contiguous and zero past S: fp32 as [S][D]; bf16 as [S/2][D] words, word
  * (j/2, d) = V[j][d] | V[j+1][d] << 16. `packed` as for pack_keys. */
-static void pack_values(const void *v_pool, const int64_t *slots, int64_t S, int64_t Hkv, int64_t h,
-                        int64_t D, int dtype, int packed, uint32_t *dst) {
+static void pack_values(const void *v_pool, const uint16_t *scales, const int64_t *slots, int64_t S, int64_t Hkv,
+                        int64_t h, int64_t D, int kv, int packed, uint32_t *dst) {
     const int64_t padded = (S + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK;
     memset(dst, 0, padded * D * element_size(packed));
     for (int64_t j = 0; j < S; j++) {
-        const char *row = (const char *)v_pool + (slots[j] * Hkv + h) * D * element_size(dtype);
+        const char *row = (const char *)v_pool + (slots[j] * Hkv + h) * D * element_size(kv);
         if (packed == DTYPE_BFLOAT16) {
             uint16_t *pairs = (uint16_t *)(dst + (j / 2) * D) + (j % 2);
             for (int64_t d = 0; d < D; d++) pairs[2 * d] = ((const uint16_t *)row)[d];
-        } else if (dtype == DTYPE_BFLOAT16) {
-            for (int64_t d = 0; d < D; d++) dst[j * D + d] = (uint32_t)((const uint16_t *)row)[d] << 16;
+        } else if (kv != DTYPE_FLOAT32) {
+            float values[D];
+            dequantize_row(v_pool, scales, kv, slots[j], Hkv, h, D, values);
+            memcpy(dst + j * D, values, D * sizeof(float));
         } else {
             memcpy(dst + j * D, row, D * sizeof(float));
         }
@@ -313,16 +355,26 @@ static int tile_rows(int64_t D) { return D == 64 ? 6 : 3; }
 #define BF16_PACKED DTYPE_FLOAT32
 #endif
 
-static int packed_dtype(int dtype) { return dtype == DTYPE_BFLOAT16 ? BF16_PACKED : DTYPE_FLOAT32; }
+/* The words K and V are packed as, for queries of `dtype` over a pool of format `kv`: bf16
+ * pairs (as above) only for bf16 over bf16; fp32 words for everything else. */
+static int packed_dtype(int dtype, int kv) {
+    return dtype == DTYPE_BFLOAT16 && kv == DTYPE_BFLOAT16 ? BF16_PACKED : DTYPE_FLOAT32;
+}
 
-/* The tile of `n` rows from row0 of kv head h, with the constants for the head size and dtype. */
-static void attend(const Call *c, int64_t h, int64_t row0, int n, int dtype) {
-    if (c->D == 64 && dtype == DTYPE_BFLOAT16)
-        attend_tile(c, h, row0, n, 4, 6, DTYPE_BFLOAT16, BF16_PACKED);
+/* The tile of `n` rows from row0 of kv head h, with the constants for the head size, dtype and
+ * packed words (bf16 queries take fp32 words where the pool was not bf16). */
+static void attend(const Call *c, int64_t h, int64_t row0, int n, int dtype, int packed) {
+    const int bf16_pairs = BF16_PACKED == DTYPE_BFLOAT16 && packed == DTYPE_BFLOAT16; /* folds without AVX-512 BF16 */
+    if (c->D == 64 && dtype == DTYPE_BFLOAT16 && bf16_pairs)
+        attend_tile(c, h, row0, n, 4, 6, DTYPE_BFLOAT16, DTYPE_BFLOAT16);
+    else if (c->D == 64 && dtype == DTYPE_BFLOAT16)
+        attend_tile(c, h, row0, n, 4, 6, DTYPE_BFLOAT16, DTYPE_FLOAT32);
     else if (c->D == 64)
         attend_tile(c, h, row0, n, 4, 6, DTYPE_FLOAT32, DTYPE_FLOAT32);
+    else if (dtype == DTYPE_BFLOAT16 && bf16_pairs)
+        attend_tile(c, h, row0, n, 8, 3, DTYPE_BFLOAT16, DTYPE_BFLOAT16);
     else if (dtype == DTYPE_BFLOAT16)
-        attend_tile(c, h, row0, n, 8, 3, DTYPE_BFLOAT16, BF16_PACKED);
+        attend_tile(c, h, row0, n, 8, 3, DTYPE_BFLOAT16, DTYPE_FLOAT32);
     else
         attend_tile(c, h, row0, n, 8, 3, DTYPE_FLOAT32, DTYPE_FLOAT32);
 }
@@ -456,14 +508,16 @@ static int tile_rows(int64_t D) {
 }
 
 /* bf16 K and V widened to fp32 while packing: AVX2 has no bf16 arithmetic, and widening once
- * costs less than in every tile that reads them. */
-static int packed_dtype(int dtype) {
-    (void)dtype;
+ * costs less than in every tile that reads them; 8-bit pools dequantized likewise. */
+static int packed_dtype(int dtype, int kv) {
+    (void)dtype, (void)kv;
     return DTYPE_FLOAT32;
 }
 
-/* The tile of `n` rows from row0 of kv head h, with the constants for the head size and dtype. */
-static void attend(const Call *c, int64_t h, int64_t row0, int n, int dtype) {
+/* The tile of `n` rows from row0 of kv head h, with the constants for the head size and dtype
+ * (the words are always fp32). */
+static void attend(const Call *c, int64_t h, int64_t row0, int n, int dtype, int packed) {
+    (void)packed;
     if (c->D == 64 && dtype == DTYPE_BFLOAT16)
         attend_tile_avx2(c, h, row0, n, 64, AVX2_TILE_ROWS, DTYPE_BFLOAT16);
     else if (c->D == 64)
@@ -480,35 +534,38 @@ static void attend(const Call *c, int64_t h, int64_t row0, int n, int dtype) {
  * by head, so the tasks a thread runs in turn read the same head's K and V: one head's fit in
  * L2, all heads' often not (fp32 at 1,536 tokens: 0.8 MB a head at head size 64), and the AVX2
  * tile, whose outputs stream through L1, runs slower from L3. */
-static void attend_task(const Call *c, int64_t task, int64_t rows, int dtype) {
+static void attend_task(const Call *c, int64_t task, int64_t rows, int dtype, int packed) {
     const int64_t tr = tile_rows(c->D), tiles = (rows + tr - 1) / tr;
     const int64_t h = task / tiles, row0 = (task % tiles) * tr;
-    attend(c, h, row0, (int)(rows - row0 < tr ? rows - row0 : tr), dtype);
+    attend(c, h, row0, (int)(rows - row0 < tr ? rows - row0 : tr), dtype, packed);
 }
 #endif
 
-/* Returns 0 on success, 1 when memory ran out, 2 for a shape or dtype this build cannot serve. */
+/* `dtype` is q's and out's (fp32 or bf16), `kv` the pools' format (k/v_scales for int8, else
+ * NULL). Returns 0 on success, 1 when memory ran out, 2 for a shape or dtype this build cannot
+ * serve. */
 int prefill_attention(const void *q, int64_t q_row_stride, const void *k_pool, const void *v_pool,
-                      const int64_t *pages, int64_t page_size, int64_t prefix_len,
-                      int64_t extend_len, const int64_t *positions, void *out, int64_t H, int64_t Hkv, int64_t D,
-                      float scale, int dtype, int num_threads) {
+                      const uint16_t *k_scales, const uint16_t *v_scales, const int64_t *pages,
+                      int64_t page_size, int64_t prefix_len, int64_t extend_len, const int64_t *positions,
+                      void *out, int64_t H, int64_t Hkv, int64_t D, float scale, int dtype, int kv,
+                      int num_threads) {
 #if defined(AVX512_TILE) || defined(AVX2_TILE)
-    if (!tile_serves(D, dtype) || H % Hkv != 0) return 2;
+    if (!tile_serves(D, dtype, kv) || H % Hkv != 0) return 2;
     if (extend_len <= 0) return 0;
     const int64_t S = (positions ? positions[extend_len - 1] : prefix_len + extend_len - 1) + 1;
     const int64_t blocks = (S + KEY_BLOCK - 1) / KEY_BLOCK;
-    const int packed = packed_dtype(dtype);
+    const int packed = packed_dtype(dtype, kv);
     const int64_t head_stride = blocks * KEY_BLOCK * D * element_size(packed) / 4;
     int64_t *slots = malloc(S * sizeof(int64_t));
-    uint32_t *kv = malloc(2 * Hkv * head_stride * sizeof(uint32_t));
-    if (slots == NULL || kv == NULL) {
+    uint32_t *words = malloc(2 * Hkv * head_stride * sizeof(uint32_t)); /* packed K, then V */
+    if (slots == NULL || words == NULL) {
         free(slots);
-        free(kv);
+        free(words);
         return 1;
     }
     for (int64_t j = 0; j < S; j++) slots[j] = pages[j / page_size] * page_size + j % page_size;
     const Call call = {q, q_row_stride, out, H, Hkv, D, H / Hkv, prefix_len, positions, scale,
-                       kv, kv + Hkv * head_stride, head_stride};
+                       words, words + Hkv * head_stride, head_stride};
     const int64_t rows = call.G * extend_len, tr = tile_rows(D);
     const int64_t tasks = Hkv * ((rows + tr - 1) / tr);
 
@@ -517,20 +574,20 @@ int prefill_attention(const void *q, int64_t q_row_stride, const void *k_pool, c
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < 2 * Hkv; task++) {
             if (task < Hkv)
-                pack_keys(k_pool, slots, S, Hkv, task, D, dtype, packed, kv + task * head_stride);
+                pack_keys(k_pool, k_scales, slots, S, Hkv, task, D, kv, packed, words + task * head_stride);
             else
-                pack_values(v_pool, slots, S, Hkv, task - Hkv, D, dtype, packed, kv + task * head_stride);
+                pack_values(v_pool, v_scales, slots, S, Hkv, task - Hkv, D, kv, packed, words + task * head_stride);
         }
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < tasks; task++) attend_task(&call, task, rows, dtype);
+        for (int64_t task = 0; task < tasks; task++) attend_task(&call, task, rows, dtype, packed);
     }
     free(slots);
-    free(kv);
+    free(words);
     return 0;
 #else
-    (void)q, (void)q_row_stride, (void)k_pool, (void)v_pool, (void)pages, (void)page_size;
-    (void)prefix_len, (void)extend_len, (void)positions, (void)out, (void)H, (void)Hkv, (void)D, (void)scale;
-    (void)dtype, (void)num_threads;
+    (void)q, (void)q_row_stride, (void)k_pool, (void)v_pool, (void)k_scales, (void)v_scales, (void)pages;
+    (void)page_size, (void)prefix_len, (void)extend_len, (void)positions, (void)out, (void)H, (void)Hkv, (void)D;
+    (void)scale, (void)dtype, (void)kv, (void)num_threads;
     return 2;
 #endif
 }
