@@ -398,6 +398,57 @@ def render_segment_reuse(results: Path) -> str:
     return "\n".join(lines)
 
 
+def render_kv_cache_dtype(results: Path) -> str:
+    d = _load(results, "kv_cache_dtype.json")
+    t = d["targets"]
+    lines = [_source(["kv_cache_dtype.json"], d.get("cpu"), d.get("date")) + f" Model `{d.get('model')}` in "
+             f"{d.get('dtype')}, page size {d.get('page_size')}; baseline: the bf16 KV cache in the same run."]
+    if "quality" in d:
+        q = d["quality"]
+        tokens = q["pool_tokens"]
+        rows = [["bfloat16", _n(tokens["bfloat16"]), "1.00x", "1.00 (itself)", f"{q['bf16_perplexity']:.3f}", "1.000x"]]
+        rows += [[name, _n(tokens[name]), f"**{r['capacity_ratio']:.2f}x**", f"**{r['agreement']:.2f}**",
+                  f"{r['perplexity']:.3f}", f"**{r['perplexity_ratio']:.3f}x**"] for name, r in q["per_dtype"].items()]
+        lines += ["", f"Capacity and quality: pools of {q['kv_memory_gb']} GiB; {q['prompts']} prompts of "
+                  f"{min(q['prompt_tokens']):,}-{max(q['prompt_tokens']):,} tokens of pydoc_data text; greedy agreement "
+                  f"with the bf16 KV cache over the first {q['agreement_tokens']} output tokens (the mean share before "
+                  f"the first difference); perplexity of each prompt's last {q['held_out']} tokens.", "",
+                  _table(["--kv-cache-dtype", "pool tokens", "vs bf16", "greedy agreement", "perplexity", "vs bf16"],
+                         "lrrrrr", rows), "",
+                  f"Targets: pool tokens >= {t['capacity_ratio']}x bf16 for every 8-bit kind; agreement >= "
+                  f"{t['agreement']} for fp8_e4m3 and int8; perplexity within {round((t['perplexity_ratio'] - 1) * 100)}% "
+                  "of bf16 (fp8_e5m2 reported as it comes)."]
+    if "speed" in d:
+        sp = d["speed"]
+        med = sp["median"]
+        rows = [[name, _n(m["pool_tokens"]), f"{m['cache_hit_fraction']:.2f}", f"{_n(m['mean_ttft_ms'])} ms",
+                 f"{m['output_tok_s']:.1f}",
+                 "" if name == "bfloat16" else f"**{sp['summary'][name]['throughput_ratio']:.2f}x**"]
+                for name, m in med.items()]
+        lines += ["", f"Speed: {sp['workload']} at concurrency {sp['concurrency']}, memory only, each pool "
+                  f"the bytes of {sp['bf16_pages']} bf16 pages (bench/disk_tier.py's thrash set-up); "
+                  f"{len(sp['rounds']['bfloat16'])} rounds per dtype, alternating (medians):", "",
+                  _table(["--kv-cache-dtype", "pool tokens", "prompt tokens from the cache", "mean TTFT",
+                          "output tok/s", "vs bf16"], "lrrrrr", rows), "",
+                  f"Target: output tok/s >= {t['throughput_ratio']}x bf16 with an 8-bit KV cache."]
+    attn = results / "kv_decode_attention.json"
+    if attn.exists():
+        lines += ["", _render_kv_decode_attention(_load(results, attn.name))]
+    return "\n".join(lines)
+
+
+def _render_kv_decode_attention(d: dict[str, Any]) -> str:
+    """The CPU decode kernel over 8-bit pages against bf16 ones (bench/kv_decode_attention.py)."""
+    rows = [[name, f"{r['median_ms']:.2f} ms", "" if name == "bfloat16" else f"**{r['ratio']:.2f}x**"]
+            for name, r in d["formats"].items()]
+    return "\n".join([
+        f"In-process decode attention (`bench/results/kv_decode_attention.json`, CPU: {d.get('cpu')}, "
+        f"{d.get('date')}, ISA tier {d.get('tier')}): {d.get('shape')}; median of alternating repeats:", "",
+        _table(["KV pages", "one call", "bf16 time / this"], "lrr", rows), "",
+        f"Target: >= {d.get('target', 1.3)}x faster than bf16.",
+    ])
+
+
 BLOCKS: tuple[Block, ...] = (
     Block("serving", render_serving),
     Block("model_runner", render_model_runner),
@@ -411,6 +462,7 @@ BLOCKS: tuple[Block, ...] = (
     Block("router", render_router),
     Block("disk_tier", render_disk_tier),
     Block("segment_reuse", render_segment_reuse),
+    Block("kv_cache_dtype", render_kv_cache_dtype),
 )
 
 

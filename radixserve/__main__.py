@@ -27,6 +27,7 @@ from typing import Any
 from radixserve.config import (
     ATTENTION_BACKENDS,
     DTYPES,
+    KV_CACHE_DTYPES,
     LOG_LEVELS,
     POLICIES,
     TOOL_CALL_PARSERS,
@@ -56,6 +57,9 @@ HELP = {
     "requests and pins get 503 with Retry-After",
     "kv_pages": "KV pool size in pages (overrides --kv-memory-gb)",
     "kv_memory_gb": "KV pool size in GiB when --kv-pages is not given",
+    "kv_cache_dtype": "what the KV pool stores: auto (the model's dtype), bfloat16, float32, or 8 bits "
+    "an element, twice the tokens in the same memory: fp8_e4m3, fp8_e5m2, int8 (a scale per token "
+    "and KV head); quantized once when stored, read directly by the attention kernels",
     "context_len": "cap on prompt + output tokens of one request (default: the model's limit)",
     "schedule_policy": "waiting-queue order: lpm (longest cached prefix first) or fcfs",
     "disable_radix_cache": "keep the paging but cache no prefixes (the benchmark baseline)",
@@ -125,7 +129,7 @@ HELP = {
     "log_level": "logging level of every process",
 }
 _CHOICES = {
-    "dtype": DTYPES, "attention_backend": ATTENTION_BACKENDS,
+    "dtype": DTYPES, "kv_cache_dtype": KV_CACHE_DTYPES, "attention_backend": ATTENTION_BACKENDS,
     "schedule_policy": POLICIES, "log_level": LOG_LEVELS, "tool_call_parser": TOOL_CALL_PARSERS,
 }
 

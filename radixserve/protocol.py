@@ -332,6 +332,7 @@ class WorkerInfo(msgspec.Struct, frozen=True):
     # what a copied segment token that is not recomputed costs a blend, as a share of a computed
     # token (it runs through the first layers only: worker/blend.py); step budgets count it so
     blend_copy_cost: float = 1.0
+    kv_cache_dtype: str = "auto"  # what the KV pool stores (--kv-cache-dtype resolved: never auto)
 
 
 class SchedulerReady(msgspec.Struct, tag=True):

@@ -3,7 +3,8 @@
     auto          flashinfer when the pool is on CUDA, flashinfer imports, and the model's
                   head size and dtype are ones its kernels serve; torch_native otherwise
     flashinfer    CUDA only (`pip install radixserve[cuda]`); asking for it where it cannot
-                  run is a ValueError that says what is missing
+                  run is a ValueError that says what is missing (an int8 KV cache too: it
+                  reads fp8 pages, not scaled int8 ones)
     torch_native  anywhere; the reference for tests
 
 A CPU-only install never imports flashinfer or any CUDA code through this module.
@@ -75,6 +76,14 @@ def create_backend(
     """Build the backend `name` (auto | flashinfer | torch_native) over `pool`."""
     device = torch.device(device)
     chosen = resolve_backend_name(name, device, pool.dtype, shape.head_dim)
+    if chosen == "flashinfer" and pool.converted and not (pool.quantized and not pool.format.scaled):
+        # FlashInfer reads fp8 pages (a scale of 1), not int8 ones with scales per token, nor
+        # a KV dtype wider than the model's
+        if name == "flashinfer":
+            raise ValueError(f"attention backend 'flashinfer' reads the model's dtype, fp8_e4m3 or fp8_e5m2 KV, "
+                             f"not {pool.format.name}; choose one of those or --attention-backend torch_native")
+        log.warning("attention backend auto: torch_native, because flashinfer does not read %s KV", pool.format.name)
+        chosen = "torch_native"
     if chosen == "flashinfer":
         from radixserve.attention.flashinfer_backend import FlashInferBackend
 

@@ -84,7 +84,7 @@ class FlashInferBackend(AttentionBackend):
                 idx.qo_indptr, idx.kv_indptr, idx.kv_indices, idx.kv_last_page_len,
                 s.num_heads, s.num_kv_heads, s.head_dim, batch.page_size,
                 custom_mask=mask, causal=mask is None, sm_scale=s.scale,
-                q_data_type=self.pool.dtype, kv_data_type=self.pool.dtype,
+                q_data_type=self.pool.dtype, kv_data_type=self.pool.format.storage,
             )
             self._active = self._prefill
 
@@ -92,8 +92,7 @@ class FlashInferBackend(AttentionBackend):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int
     ) -> torch.Tensor:
         """q: [T, H, D], k and v: [T, Hkv, D] -> [T, H, D]."""
-        self.pool.flat_k(layer_id).index_copy_(0, self._out_slots, k)
-        self.pool.flat_v(layer_id).index_copy_(0, self._out_slots, v)
+        self.pool.store(layer_id, self._out_slots, k, v)  # fp8 pools: quantized once, here
         cache = (self.pool.k[layer_id], self.pool.v[layer_id])  # [P + 1, page_size, Hkv, D] each
         return self._active.run(q.contiguous(), cache)
 
@@ -129,6 +128,6 @@ class FlashInferBackend(AttentionBackend):
         wrapper.plan(
             idx.kv_indptr, idx.kv_indices, idx.kv_last_page_len,
             s.num_heads, s.num_kv_heads, s.head_dim, page_size,
-            sm_scale=s.scale, q_data_type=self.pool.dtype, kv_data_type=self.pool.dtype,
+            sm_scale=s.scale, q_data_type=self.pool.dtype, kv_data_type=self.pool.format.storage,
         )
         self._active = wrapper

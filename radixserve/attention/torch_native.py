@@ -40,9 +40,16 @@ class TorchNativeBackend(AttentionBackend):
 
     def __init__(self, pool: KVPool, shape: AttentionShape, use_cpu_kernel: bool = True) -> None:
         super().__init__(pool, shape)
-        self.uses_cpu_kernel = use_cpu_kernel and cpu_kernels.supports(pool.dtype, pool.device)
+        # a pool of another dtype than the model's (--kv-cache-dtype: 8 bits) is read in place
+        # by the kernels, or dequantized by `KVPool.read` on the SDPA paths
+        self._kv_format = pool.format if pool.converted else None
+        if self._kv_format is None:
+            served = cpu_kernels.supports(pool.dtype, pool.device)
+        else:
+            served = cpu_kernels.supports_kv(pool.dtype, self._kv_format, pool.device)
+        self.uses_cpu_kernel = use_cpu_kernel and served
         self.uses_prefill_kernel = use_cpu_kernel and cpu_kernels.prefill_attention_serves(
-            pool.dtype, shape.head_dim, pool.device
+            pool.dtype, shape.head_dim, pool.device, kv_format=self._kv_format
         )
         # Decode gathers reuse two buffers: fresh multi-MB tensors every layer cost page faults
         # (malloc hands large blocks back to the OS), about half the gather time on CPU.
@@ -76,9 +83,13 @@ class TorchNativeBackend(AttentionBackend):
             self._decode_pages = page_table[decode_of].contiguous()
             self._decode_lens = torch.tensor(decode_lens, device=device)
         # every new token a decode row (a decode step, checks only): the kernel also stores every
-        # row's key and value itself, so no per-layer scatter into the pool or gather of rows
+        # row's key and value itself, so no per-layer scatter into the pool or gather of rows;
+        # quantized ones are stored here first (`KVPool.store`), at their rows' slots
         self._rows_only = self.uses_cpu_kernel and not extend_of
         if self._rows_only:
+            if self._kv_format is not None:
+                last = self._decode_lens - 1
+                self._row_slots = self._decode_pages.gather(1, (last // ps)[:, None])[:, 0] * ps + last % ps
             return
         max_len = max(seq_lens)
         # slots[i, pos] = flat slot of position pos of request i (garbage past seq_len i)
@@ -117,27 +128,32 @@ class TorchNativeBackend(AttentionBackend):
     ) -> torch.Tensor:
         k_pool = self.pool.flat_k(layer_id)
         v_pool = self.pool.flat_v(layer_id)
-        if self._rows_only:  # the kernel stores k, v itself
-            return self._kernel_decode(q, k_pool, v_pool, k, v)
-        k_pool.index_copy_(0, self._out_slots, k)
-        v_pool.index_copy_(0, self._out_slots, v)
+        self._layer = layer_id
+        if self._rows_only:
+            if self._kv_format is None:  # the kernel stores k, v itself
+                return self._kernel_decode(q, k_pool, v_pool, k, v)
+            self.pool.store(layer_id, self._row_slots, k, v)
+            return self._kernel_decode(q, k_pool, v_pool)
+        self.pool.store(layer_id, self._out_slots, k, v)
         scale = self.shape.scale
         if self._all_decode:
             return self._decode(q, k_pool, v_pool)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        k_scales, v_scales = self.pool.flat_scales(layer_id)
         for ext in self._extends:
             if self.uses_prefill_kernel:
                 cpu_kernels.prefill_attention(
                     q[ext.start : ext.end], k_pool, v_pool, ext.pages, self.pool.page_size,
                     ext.prefix_len, scale, out[ext.start : ext.end], positions=ext.positions,
+                    kv_format=self._kv_format, k_scales=k_scales, v_scales=v_scales,
                 )
                 continue
             qi = q[ext.start : ext.end].transpose(0, 1).unsqueeze(0)  # [1, H, E, D]
-            if ext.prefix_len == 0 and ext.positions is None:
+            if ext.prefix_len == 0 and ext.positions is None and self._kv_format is None:
                 ki, vi = k[ext.start : ext.end], v[ext.start : ext.end]  # [E, Hkv, D]
                 mask, causal = None, True
-            else:
-                ki, vi = k_pool.index_select(0, ext.slots), v_pool.index_select(0, ext.slots)  # [S, Hkv, D]
+            else:  # what the pool holds (a quantized pool's values, as every other path reads them)
+                ki, vi = self.pool.read(layer_id, ext.slots, q.dtype)  # [S, Hkv, D]
                 mask, causal = _causal_mask(ext, q.device), False
             oi = F.scaled_dot_product_attention(
                 qi, ki.transpose(0, 1).unsqueeze(0), vi.transpose(0, 1).unsqueeze(0),
@@ -156,8 +172,11 @@ class TorchNativeBackend(AttentionBackend):
         shape = (*self._decode_slots.shape, *k_pool.shape[1:])  # [Bd, L, Hkv, D]
         flat = self._decode_slots.flatten()
         rows = flat.shape[0]
-        kd = torch.index_select(k_pool, 0, flat, out=self._gather_k[:rows]).view(shape).transpose(1, 2)
-        vd = torch.index_select(v_pool, 0, flat, out=self._gather_v[:rows]).view(shape).transpose(1, 2)
+        if self._kv_format is not None:
+            kd, vd = (t.view(shape).transpose(1, 2) for t in self.pool.read(self._layer, flat, q.dtype))
+        else:
+            kd = torch.index_select(k_pool, 0, flat, out=self._gather_k[:rows]).view(shape).transpose(1, 2)
+            vd = torch.index_select(v_pool, 0, flat, out=self._gather_v[:rows]).view(shape).transpose(1, 2)
         # kd, vd: [Bd, Hkv, L, D]
         od = F.scaled_dot_product_attention(
             q.unsqueeze(2), kd, vd, attn_mask=self._decode_mask, scale=self.shape.scale, enable_gqa=True
@@ -169,9 +188,11 @@ class TorchNativeBackend(AttentionBackend):
         k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The planned decode rows through the CPU kernel; with k_new, v_new it stores them first."""
+        k_scales, v_scales = self.pool.flat_scales(self._layer)
         return cpu_kernels.paged_decode(
             q, k_pool, v_pool, self._decode_pages, self._decode_lens, self.pool.page_size,
             self.shape.scale, k_new=k_new, v_new=v_new,
+            kv_format=self._kv_format, k_scales=k_scales, v_scales=v_scales,
         )
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -182,8 +182,18 @@ class ServerMetrics:
             PREFIX + "http_responses", "HTTP answers by route (the path the route is declared with; "
             "`other` where none matched) and status code.", ["route", "status"], registry=self.registry,
         )
+        self.kv_pool_tokens = Gauge(
+            PREFIX + "kv_pool_tokens", "Tokens the KV pool holds (pages x page size), labelled with what it "
+            "stores (--kv-cache-dtype: the 8-bit kinds hold twice the tokens of bfloat16 in the same memory).",
+            ["kv_cache_dtype"], registry=self.registry,
+        )
         # per tenant (--api-key-file only): the label's values are the file's names, a bounded set
         self._tenant_counters: tuple[Counter, Counter, Counter] | None = None
+
+    def describe_pool(self, kv_cache_dtype: str, tokens: int) -> None:
+        """The KV pool as the worker built it (fixed for the server's life)."""
+        self.kv_pool_tokens.clear()
+        self.kv_pool_tokens.labels(kv_cache_dtype=kv_cache_dtype).set(tokens)
 
     def add_tenants(self, names: frozenset[str]) -> None:
         """Per-tenant counters, every tenant's series present (at 0) from the start."""

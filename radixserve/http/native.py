@@ -157,6 +157,7 @@ async def server_info(request: Request) -> Response:
         pages = {
             "total": stats.total_pages, "free": stats.free_pages, "cached": stats.cached_pages,
             "evictable": stats.evictable_pages, "in_use": stats.running_pages,
+            "tokens": stats.total_pages * ready.page_size,
         }
     return JSONResponse({
         "version": __version__,
@@ -177,6 +178,7 @@ def _model_description(state: ServerState) -> dict[str, Any]:
     return {
         "name": state.model_name, "path": ready.model_path, "dtype": ready.dtype, "device": ready.device,
         "context_len": ready.context_len, "vocab_size": ready.vocab_size, "page_size": ready.page_size,
+        "kv_cache_dtype": ready.kv_cache_dtype, "kv_pool_tokens": ready.total_pages * ready.page_size,
     }
 
 

@@ -52,6 +52,7 @@ class ServerState:
     def __post_init__(self) -> None:
         self.limits = request_limits(self.config, self.ready, self.tokenizer)
         self.metrics = ServerMetrics(self.config.model_name)
+        self.metrics.describe_pool(self.ready.kv_cache_dtype, self.ready.total_pages * self.ready.page_size)
         self.prepare_pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="radixserve-prepare")
 
     async def prepare(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8_e4m3", "fp8_e5m2", "int8")
+from radixserve.config import KV_CACHE_DTYPES
+
 INT8_LIMIT = 127.0
 SCALE_DTYPE = torch.float16
 

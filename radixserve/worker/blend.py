@@ -34,7 +34,8 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.attention.base import AttentionBackend, AttentionBatch
-from radixserve.attention.kv_pool import KVPool
+from radixserve.attention.kv_pool import KVPool, raw
+from radixserve.kernels.kv_quant import dequantize, quantize
 from radixserve.models.layers import RotaryEmbedding, apply_rotary
 from radixserve.models.llama import LlamaForCausalLM
 from radixserve.protocol import SegmentReuse
@@ -75,18 +76,27 @@ def copy_segment_kv(
 ) -> None:
     """For every layer, K/V of slots `src` into slots `dst` (int64 [N] each), the key of row i
     rotated by `deltas[i]` positions (its target position minus its source position): rotated in
-    fp32, stored in the pool's dtype. A row with delta 0 is copied bit for bit."""
+    fp32 and stored in the pool's format (a quantized key is dequantized, rotated and quantized
+    again, its scale with it). A row with delta 0, and every value, is copied bit for bit."""
     moved = deltas.nonzero().squeeze(1)
     if len(moved):
         cos, sin = rotary(deltas[moved], torch.float32)  # rotary in a rotation's angle: additive
     for layer in range(pool.num_layers):
         k_pool, v_pool = pool.flat_k(layer), pool.flat_v(layer)
+        k_scales, v_scales = pool.flat_scales(layer)
         k = k_pool.index_select(0, src)
+        ks = None if k_scales is None else k_scales.index_select(0, src)
         if len(moved):
-            k[moved] = apply_rotary(k[moved].float(), cos, sin).to(pool.dtype)
-        v = v_pool.index_select(0, src)
-        k_pool.index_copy_(0, dst, k)
-        v_pool.index_copy_(0, dst, v)
+            kf = dequantize(k[moved], None if ks is None else ks[moved], pool.format)
+            rotated, scales = quantize(apply_rotary(kf, cos, sin), pool.format)
+            k[moved] = rotated
+            if ks is not None:
+                ks[moved] = scales
+        raw(k_pool).index_copy_(0, dst, raw(k))
+        raw(v_pool).index_copy_(0, dst, raw(v_pool.index_select(0, src)))
+        if ks is not None:
+            k_scales.index_copy_(0, dst, ks)
+            v_scales.index_copy_(0, dst, v_scales.index_select(0, src))
 
 
 def check_runs(prefix_len: int, num_tokens: int, reuse: Sequence[SegmentReuse], page_size: int) -> None:
@@ -147,7 +157,7 @@ def blend_forward(
     dst_t, packed_t = torch.cat(dst), torch.cat(packed)
     copy_segment_kv(pool, model.rotary, torch.cat(src), dst_t, torch.cat(deltas))
     probe = FULL_LAYERS - 1
-    copied_k, copied_v = pool.flat_k(probe).index_select(0, dst_t), pool.flat_v(probe).index_select(0, dst_t)
+    copied_k, copied_v = pool.read(probe, dst_t, torch.float32)
 
     backend.plan(whole)
     h, cos, sin = model.embed(input_ids, positions)
@@ -156,8 +166,7 @@ def blend_forward(
     # every token's K/V at the probe layer are its fresh ones: store them all
     slots = torch.cat([slots_of(page_table[i], torch.arange(p, p + n, device=device), ps)
                        for i, (p, n) in enumerate(zip(prefix_lens, lens, strict=True))])
-    pool.flat_k(probe).index_copy_(0, slots, k)
-    pool.flat_v(probe).index_copy_(0, slots, v)
+    pool.store(probe, slots, k, v)
 
     fresh_k, fresh_v = k[packed_t], v[packed_t]
     deviation = (((fresh_k.float() - copied_k.float()) ** 2).sum((1, 2))

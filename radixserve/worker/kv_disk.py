@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from radixserve.attention.kv_pool import KVPool
+from radixserve.attention.kv_pool import KVPool, raw
 from radixserve.protocol import DiskOps, DiskReport
 
 log = logging.getLogger("radixserve.worker")
@@ -69,6 +69,8 @@ def model_key(weight_files: list[Path], pool: KVPool) -> bytes:
         f"v{_VERSION} dtype={pool.dtype} page_size={pool.page_size} layers={pool.num_layers} "
         f"kv_heads={pool.num_kv_heads} head_dim={pool.head_dim} layout=LKV-NHD"
     )
+    if pool.converted:  # pages of different KV dtypes never mix (a pool of the model's dtype: as before)
+        layout += f" kv_cache_dtype={pool.format.name}{' scales=LKV-fp16' if pool.format.scaled else ''}"
     digest.update(layout.encode())
     return digest.digest()
 
@@ -102,9 +104,11 @@ class DiskStore:
         self.dir = root / key.hex()[:32]
         _make_private_dir(self.dir)
         self._lock_file = self._take_lock(root)
-        itemsize = torch.empty((), dtype=pool.dtype).element_size()
-        self._page_shape = (pool.num_layers, 2, pool.page_size, pool.num_kv_heads, pool.head_dim)
-        self.payload_bytes = itemsize * pool.num_layers * 2 * pool.page_size * pool.num_kv_heads * pool.head_dim
+        # a page on disk is the bytes of each of the pool's page tensors for it, in
+        # `KVPool.page_tensors` order (K, V per layer, then int8's scales)
+        self._tensors = pool.page_tensors()
+        self._tensor_bytes = [t[0].numel() * t.element_size() for t in self._tensors]
+        self.payload_bytes = sum(self._tensor_bytes)
         self.file_bytes = _HEADER.size + self.payload_bytes
         # host copies by page key: written back and not yet on disk, or read ahead and not
         # yet loaded; a read of a page still being written takes its copy from here
@@ -214,10 +218,9 @@ class DiskStore:
 
     def _store(self, store: list[tuple[int, bytes]]) -> None:
         pages = torch.tensor([page for page, _ in store], dtype=torch.long, device=self.pool.device)
-        # [n, layers, 2, page_size, heads, dim] on the host, one gather per layer and K/V
-        per_layer = [torch.stack((k.index_select(0, pages), v.index_select(0, pages)), dim=1)
-                     for k, v in zip(self.pool.k, self.pool.v, strict=True)]
-        host = torch.stack(per_layer, dim=1).to("cpu").contiguous()
+        # [n, payload_bytes] on the host: one gather per page tensor
+        parts = [raw(t).index_select(0, pages).reshape(len(store), -1).view(torch.uint8) for t in self._tensors]
+        host = torch.cat(parts, dim=1).to("cpu")
         with self._lock:
             for i, (_, page_key) in enumerate(store):
                 self._writing[page_key] = host[i]
@@ -228,11 +231,13 @@ class DiskStore:
         start = time.perf_counter()
         with self._lock:
             host = [self._staged.pop(page_key) for _, page_key in load]
-        data = torch.stack(host).to(self.pool.device)  # [n, layers, 2, page_size, heads, dim]
+        data = torch.stack(host).to(self.pool.device)  # [n, payload_bytes]
         pages = torch.tensor([page for page, _ in load], dtype=torch.long, device=self.pool.device)
-        for layer, (k, v) in enumerate(zip(self.pool.k, self.pool.v, strict=True)):
-            k.index_copy_(0, pages, data[:, layer, 0])
-            v.index_copy_(0, pages, data[:, layer, 1])
+        at = 0
+        for tensor, nbytes in zip(self._tensors, self._tensor_bytes, strict=True):
+            part = data[:, at : at + nbytes].contiguous().view(raw(tensor).dtype)
+            raw(tensor).index_copy_(0, pages, part.view(len(load), *tensor.shape[1:]))
+            at += nbytes
         self.counters.loaded_bytes += len(load) * self.payload_bytes
         self.counters.load_seconds += time.perf_counter() - start
 
@@ -316,7 +321,7 @@ class DiskStore:
             self.counters.corrupt += 1
             path.unlink(missing_ok=True)
             return None
-        return _from_bytes(payload, self.pool.dtype, self._page_shape)
+        return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
 
 
 def _make_private_dir(path: Path) -> None:
@@ -355,13 +360,5 @@ def _read_regular(path: Path, limit: int = -1) -> tuple[bytes, os.stat_result]:
 
 
 def _as_bytes(tensor: torch.Tensor) -> bytes:
-    """Raw bytes of a host tensor (bfloat16 has no numpy dtype: viewed as 16-bit ints)."""
-    flat = tensor.contiguous().view(-1)
-    if tensor.dtype in (torch.bfloat16, torch.float16):
-        flat = flat.view(torch.int16)
-    return flat.numpy().tobytes()
-
-
-def _from_bytes(payload: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    return raw.view(dtype).view(shape)
+    """Raw bytes of a host tensor of bytes (a page: `DiskStore._store`)."""
+    return tensor.contiguous().numpy().tobytes()

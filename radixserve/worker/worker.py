@@ -18,6 +18,7 @@ from radixserve.attention import create_backend
 from radixserve.attention.kv_pool import KVPool
 from radixserve.config import ServerConfig
 from radixserve.kernels import isa
+from radixserve.kernels.kv_quant import kv_format
 from radixserve.protocol import (
     Chunk,
     ChunkResult,
@@ -60,15 +61,16 @@ class Worker:
         self.vocab_size = mc.vocab_size
         self.eos_token_ids = list(mc.eos_token_ids)
         shape = loaded.model.attention_shape()
+        self.kv_format = kv_format(config.kv_cache_dtype, self.dtype)
         page_bytes = KVPool.bytes_per_page(
-            mc.num_layers, config.page_size, shape.num_kv_heads, shape.head_dim, self.dtype
+            mc.num_layers, config.page_size, shape.num_kv_heads, shape.head_dim, self.kv_format
         )
         num_pages = config.kv_pages or max(2, int(config.kv_memory_gb * 2**30) // page_bytes)
         # one request must always fit in the pool on its own, so retraction can always make progress
         self.context_len = min(config.context_len or mc.max_position_embeddings, num_pages * config.page_size)
         self.pool = KVPool(
             mc.num_layers, num_pages, config.page_size, shape.num_kv_heads, shape.head_dim,
-            self.dtype, self.device,
+            self.dtype, self.device, self.kv_format,
         )
         self.page_table = PageTable(
             config.max_running_requests, -(-self.context_len // config.page_size), self.device
@@ -90,10 +92,12 @@ class Worker:
         fail_on = os.environ.get(FAIL_ON_TOKEN_ENV)
         self._fail_on_token = int(fail_on) if fail_on else None
         log.info(
-            "worker ready: model %s, %s on %s (CPU ISA %s), %s attention%s, KV pool %d pages x %d tokens (%.2f GiB)",
+            "worker ready: model %s, %s on %s (CPU ISA %s), %s attention%s, KV pool %d pages x %d tokens "
+            "= %d tokens of %s KV (%.2f GiB)",
             self.model_path, dtype_name(self.dtype), self.device, isa.selected_tier(), type(backend).__name__,
             ", decode CUDA graphs" if self.runner.graphs is not None else _cpu_kernels_used(backend),
-            num_pages, config.page_size, num_pages * page_bytes / 2**30,
+            num_pages, config.page_size, num_pages * config.page_size, self.kv_format.name,
+            num_pages * page_bytes / 2**30,
         )
 
     def ready_message(self) -> WorkerReady:
@@ -107,6 +111,7 @@ class Worker:
                 model_path=self.model_path,
                 dtype=dtype_name(self.dtype),
                 device=str(self.device),
+                kv_cache_dtype=self.kv_format.name,
                 cpu_isa=str(isa.selected_tier()),
                 blend_copy_cost=blend_copy_cost(len(self.runner.model.layers)),
             ),
