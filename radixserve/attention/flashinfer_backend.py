@@ -79,9 +79,17 @@ class FlashInferBackend(AttentionBackend):
             self._plan_decode(self._decode, idx, batch.page_size)
         else:
             s = self.shape
-            mask = causal_mask(batch).to(self.pool.device) if batch.scattered else None
+            qo_indptr, kv_indptr, last_page_len = idx.qo_indptr, idx.kv_indptr, idx.kv_last_page_len
+            mask = None
+            if batch.scattered:
+                # FlashInfer packs a custom mask into bits on the GPU, per request at offsets it
+                # derives from these three arrays, so they go there too (its segment_packbits
+                # refuses host ones; a mask packed here would be read at unpacked offsets)
+                device = self.pool.device
+                mask = causal_mask(batch).to(device)
+                qo_indptr, kv_indptr, last_page_len = (t.to(device) for t in (qo_indptr, kv_indptr, last_page_len))
             self._prefill.plan(
-                idx.qo_indptr, idx.kv_indptr, idx.kv_indices, idx.kv_last_page_len,
+                qo_indptr, kv_indptr, idx.kv_indices, last_page_len,
                 s.num_heads, s.num_kv_heads, s.head_dim, batch.page_size,
                 custom_mask=mask, causal=mask is None, sm_scale=s.scale,
                 q_data_type=self.pool.dtype, kv_data_type=self.pool.format.storage,
