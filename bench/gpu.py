@@ -410,7 +410,8 @@ def run(args) -> Report:
 
 
 def _environment(device: torch.device) -> dict[str, Any]:
-    env: dict[str, Any] = {"torch": torch.__version__, "device": str(device)}
+    env: dict[str, Any] = {"torch": torch.__version__, "device": str(device),
+                           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
         env["cuda"] = torch.version.cuda

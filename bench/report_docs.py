@@ -449,6 +449,26 @@ def _render_kv_decode_attention(d: dict[str, Any]) -> str:
     ])
 
 
+def render_gpu(results: Path) -> str:
+    """bench/gpu.py on a GPU: its environment line and its table."""
+    d = _load(results, "gpu_h200.json")
+    env = d["env"]
+    rows = [[r["workload"], r["system"], _n(r["tok_s"]), f"{r['vs_hf']:.2f}x" if r.get("vs_hf") else "",
+             f"{r['step_ms']:.2f}" if r.get("step_ms") else "", f"{r['floor_ms']:.2f}" if r.get("floor_ms") else "",
+             f"{r['x_floor']:.2f}x" if r.get("x_floor") else "", r.get("notes", "")] for r in d["rows"]]
+    startup = "; ".join(f"{k.removesuffix(' startup')}: {v}" for k, v in env.items() if k.endswith(" startup"))
+    return "\n".join([
+        f"From `bench/results/gpu_h200.json`; GPU: {env.get('gpu')}, CUDA {env.get('cuda')}, torch {env.get('torch')}, "
+        f"flashinfer {env.get('flashinfer')}; date: {env.get('date', 'not recorded in the file')}. Model: "
+        f"{env.get('model')}, {env.get('weights_GB')} GB of weights; measured copy bandwidth "
+        f"{env.get('copy_bandwidth_GBps')} GB/s. Start-up: {startup}.",
+        "",
+        _table(["workload", "system", "tok/s", "vs transformers", "step ms", "floor ms", "step / floor", "notes"],
+               "llrrrrrl", rows),
+        *(["", "Skipped: " + "; ".join(d["skipped"])] if d.get("skipped") else []),
+    ])
+
+
 BLOCKS: tuple[Block, ...] = (
     Block("serving", render_serving),
     Block("model_runner", render_model_runner),
@@ -463,6 +483,7 @@ BLOCKS: tuple[Block, ...] = (
     Block("disk_tier", render_disk_tier),
     Block("segment_reuse", render_segment_reuse),
     Block("kv_cache_dtype", render_kv_cache_dtype),
+    Block("gpu", render_gpu),
 )
 
 

@@ -58,14 +58,16 @@ def gqa_model_dir(tmp_path_factory):
 # ---------------------------------------------------------------------- kernels
 
 
-def _random_pools(page_size, heads, kv_heads, dtype, num_pages=300, seed=0):
+def _random_pools(page_size, heads, kv_heads, dtype, num_pages=300, seed=0, kv_format=None):
+    """Two pools holding the same random pages (of `kv_format`'s storage, the model dtype's by
+    default)."""
     from radixserve.attention.kv_pool import KVPool
 
-    a = KVPool(1, num_pages, page_size, kv_heads, 128, dtype, "cuda")
+    a = KVPool(1, num_pages, page_size, kv_heads, 128, dtype, "cuda", kv_format)
     g = torch.Generator(device="cuda").manual_seed(seed)
-    a.k[0].normal_(generator=g)
-    a.v[0].normal_(generator=g)
-    b = KVPool(1, num_pages, page_size, kv_heads, 128, dtype, "cuda")
+    for pages in (a.k[0], a.v[0]):
+        pages.copy_(torch.randn(pages.shape, generator=g, device="cuda", dtype=dtype))  # cast to the storage
+    b = KVPool(1, num_pages, page_size, kv_heads, 128, dtype, "cuda", kv_format)
     b.k[0].copy_(a.k[0])
     b.v[0].copy_(a.v[0])
     return a, b
@@ -120,21 +122,24 @@ def test_flashinfer_matches_torch_native(flashinfer, dtype, group, page_size):
 
 
 class Runner:
-    """Our model runner on CUDA over a shuffled pool; rows are requests."""
+    """Our model runner over a shuffled pool (on CUDA unless `device` says); rows are requests."""
 
-    def __init__(self, model_dir, backend: str, page_size: int = 16, graphs: list[int] | None = None):
+    def __init__(self, model_dir, backend: str, page_size: int = 16, graphs: list[int] | None = None,
+                 kv_cache_dtype: str = "auto", device: str = "cuda"):
         from radixserve.attention import create_backend
         from radixserve.attention.kv_pool import KVPool
+        from radixserve.kernels.kv_quant import kv_format
         from radixserve.models.loader import load_model
         from radixserve.worker.model_runner import ModelRunner
         from radixserve.worker.page_table import PageTable
 
-        loaded = load_model(str(model_dir), dtype=torch.bfloat16, device="cuda")
+        loaded = load_model(str(model_dir), dtype=torch.bfloat16, device=device)
         self.model = loaded.model
         shape = self.model.attention_shape()
-        self.pool = KVPool(loaded.config.num_layers, 512, page_size, shape.num_kv_heads, shape.head_dim, torch.bfloat16, "cuda")
-        self.table = PageTable(16, 64, "cuda")
-        self.runner = ModelRunner(self.model, self.table, create_backend(backend, self.pool, shape, "cuda"))
+        self.pool = KVPool(loaded.config.num_layers, 512, page_size, shape.num_kv_heads, shape.head_dim, torch.bfloat16,
+                           device, kv_format(kv_cache_dtype, torch.bfloat16))
+        self.table = PageTable(16, 64, device)
+        self.runner = ModelRunner(self.model, self.table, create_backend(backend, self.pool, shape, device))
         if graphs:
             self.runner.capture_decode_graphs(graphs)
         self.free = list(range(512))
@@ -264,3 +269,65 @@ def test_sampler_on_cuda_matches_cpu():
         states = [SamplingState(p, prompt_ids=[1, 2, 3], output_ids=[5, 5, 9]) for p in params]
         results.append(Sampler(1000).sample(logits.to(device), states).token_ids)
     assert results[0] == results[1]
+
+
+# ---------------------------------------------------------------------- quantized KV (--kv-cache-dtype)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_flashinfer_reads_fp8_kv_like_torch_native(flashinfer, page_size):
+    """fp8_e4m3 pages: FlashInfer reads them in place (bf16 queries, a scale of 1), torch_native
+    dequantizes them, so both attend over the same values; the pool quantizes new K/V once,
+    the same way for both."""
+    from radixserve.attention import create_backend
+    from radixserve.attention.base import AttentionShape
+    from radixserve.kernels.kv_quant import kv_format
+
+    fmt = kv_format("fp8_e4m3", torch.bfloat16)
+    shape = AttentionShape(8, 2, 128, 128**-0.5)
+    num_pages = 8000 if page_size == 1 else 500
+    rng = random.Random(50 + page_size)
+    for kinds in (["cached", "prefill", "decode", "cached", "decode"], ["decode"] * 7):
+        pool_fi, pool_ref = _random_pools(page_size, 8, 2, torch.bfloat16, num_pages, kv_format=fmt)
+        assert pool_fi.k[0].dtype == torch.float8_e4m3fn
+        fi = create_backend("auto", pool_fi, shape, "cuda")
+        assert type(fi).__name__ == "FlashInferBackend"
+        ref = create_backend("torch_native", pool_ref, shape, "cuda")
+        batch = _batch(rng, page_size, kinds, num_pages)
+        g = torch.Generator(device="cuda").manual_seed(2)
+        q, k, v = (torch.randn(batch.num_tokens, h, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+                   for h in (8, 2, 2))
+        fi.plan(batch)
+        ref.plan(batch)
+        out_fi, out_ref = fi.forward(q, k, v, 0), ref.forward(q, k, v, 0)
+        tol = TOL[torch.bfloat16]
+        torch.testing.assert_close(out_fi, out_ref, atol=tol, rtol=tol, msg=lambda m, kinds=kinds: f"{kinds}: {m}")
+        assert torch.equal(pool_fi.k[0].view(torch.uint8), pool_ref.k[0].view(torch.uint8))
+
+
+def test_quantized_kv_models_on_cuda(flashinfer, gqa_model_dir):
+    """A model over fp8_e4m3 pages: FlashInfer (eager and from CUDA graphs) against torch_native;
+    over int8 pages (torch_native, which `auto` picks since FlashInfer reads no scaled int8):
+    against the CPU worker's kernels over int8 pages. Logits within LOGIT_REL of their scale
+    at the prompt and each step. (Against an unquantized pool this random model's logits move
+    by 9-38% of their scale: it is the quantization, not the backends, so no such pair.)"""
+    prompts = _prompts(4, 512, seed=5)
+    runners = {
+        "fp8 flashinfer": Runner(gqa_model_dir, "flashinfer", kv_cache_dtype="fp8_e4m3"),
+        "fp8 graphs": Runner(gqa_model_dir, "flashinfer", graphs=[1, 2, 4], kv_cache_dtype="fp8_e4m3"),
+        "fp8 torch_native": Runner(gqa_model_dir, "torch_native", kv_cache_dtype="fp8_e4m3"),
+        "int8 auto": Runner(gqa_model_dir, "auto", kv_cache_dtype="int8"),
+        "int8 cpu": Runner(gqa_model_dir, "torch_native", kv_cache_dtype="int8", device="cpu"),
+    }
+    assert type(runners["int8 auto"].runner.backend).__name__ == "TorchNativeBackend"
+    logits = {name: r.step(list(enumerate(prompts))) for name, r in runners.items()}
+    rng = random.Random(6)
+    for step in range(5):  # the prompt, then four decode steps of the whole batch
+        if step:
+            tokens = [(row, [rng.randrange(512)]) for row in range(len(prompts))]
+            logits = {name: r.step(tokens) for name, r in runners.items()}
+        for pair in (("fp8 flashinfer", "fp8 torch_native"), ("fp8 graphs", "fp8 torch_native"),
+                     ("int8 auto", "int8 cpu")):
+            ours, ref = logits[pair[0]].cpu(), logits[pair[1]].cpu()
+            scale = float(ref.abs().max())
+            assert float((ours - ref).abs().max()) <= LOGIT_REL * scale, f"step {step}: {pair}"
