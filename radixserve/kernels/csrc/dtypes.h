@@ -20,6 +20,9 @@
 #define RADIXSERVE_DTYPES_H
 #include <stdint.h>
 #include <string.h>
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
 
 enum { DTYPE_FLOAT32 = 0, DTYPE_BFLOAT16 = 1, DTYPE_FP8_E4M3 = 2, DTYPE_FP8_E5M2 = 3, DTYPE_INT8 = 4 };
 
@@ -32,15 +35,20 @@ static inline float bits_to_float(uint32_t bits) {
 static inline float bf16_to_float(uint16_t h) { return bits_to_float((uint32_t)h << 16); }
 
 /* An fp16 (never infinite or NaN here: scales are clamped to fp16's range), exactly, subnormals
- * included, without any subnormal arithmetic (which a process with denormals-are-zero set
+ * included: F16C's one instruction where the build has it (the decode kernel converts a scale
+ * per row), else without any subnormal arithmetic (which a process with denormals-are-zero set
  * would flush). */
 static inline float fp16_to_float(uint16_t h) {
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
     const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
     if (exponent == 0) {
         const float magnitude = (float)mantissa * 0x1p-24f; /* a normal fp32, exact */
         return sign ? -magnitude : magnitude;
     }
     return bits_to_float(sign | (exponent + 112) << 23 | mantissa << 13);
+#endif
 }
 
 /* fp8 bytes as fp32 (see the top of the file: through fp16 bits, as the vector paths do). */

@@ -307,13 +307,52 @@ static inline __attribute__((always_inline)) int tile_chunks(const int G, const 
     return chunks;
 }
 
+/* The scores of rows i .. i + R - 1 for G query heads (q in qv, CH chunks each) into
+ * scores[g * L + row], and the running maxes. R * G <= MAX_GROUP: one reduction for all. */
+static inline __attribute__((always_inline)) void score_rows(const Task *t, int64_t kvh, const vfloat *qv,
+                                                             int64_t i, const int R, const int G,
+                                                             const int CH, const int KV, float *scores,
+                                                             float *maxes) {
+    const int64_t D = t->D, L = t->seq_len, Hkv = t->Hkv;
+    int64_t rows[2];
+    for (int r = 0; r < R; r++) {
+        rows[r] = (t->slots[i + r] * Hkv + kvh) * D;
+        prefetch_context(t, kvh, i + r);
+        prefetch_next(t, kvh, i + r);
+        if (i + r + PREFETCH_AHEAD < L)
+            prefetch_row(t->k_pool, KV, (t->slots[i + r + PREFETCH_AHEAD] * Hkv + kvh) * D, D);
+    }
+    vfloat s[MAX_GROUP];
+    /* unrolled whole (gcc stops short at 16 chunks), else the sums live on the stack */
+#pragma GCC unroll 16
+    for (int c = 0; c < CH; c++) {
+        vfloat k[2];
+        for (int r = 0; r < R; r++) k[r] = vec_load(t->k_pool, KV, rows[r] + LANES * c);
+        for (int g = 0; g < G; g++)
+            for (int r = 0; r < R; r++)
+                s[r * G + g] = c == 0 ? vec_mul(qv[g * CH], k[r]) : vec_fmadd(qv[g * CH + c], k[r], s[r * G + g]);
+    }
+    float dots[MAX_GROUP];
+    vec_reduce_group(s, R * G, dots);
+    for (int r = 0; r < R; r++) {
+        const float ks = row_scale(t->k_scales, KV, t->slots[i + r], Hkv, kvh);
+        for (int g = 0; g < G; g++) {
+            const float score = KV == DTYPE_INT8 ? dots[r * G + g] * ks : dots[r * G + g];
+            scores[g * L + i + r] = score;
+            maxes[g] = score > maxes[g] ? score : maxes[g];
+        }
+    }
+}
+
 /* One kv head with G query heads of CH LANES-float chunks each, over a pool of format KV (fp32;
  * bf16 widened to fp32; fp8 or int8 converted, see vec_load). Always inlined with constant G,
  * CH and KV, so the loops unroll into registers and the loads fold.
  *
- * Scores: each K chunk is loaded once and multiplied into G running sums, so the K row is
- * read once for all G heads and only G + 1 vectors are live besides q (which stays in
- * registers where they suffice, else in L1: an FMA takes it as a memory operand).
+ * Scores (score_rows): each K chunk is loaded once and multiplied into G running sums, so the
+ * K row is read once for all G heads and only G + 1 vectors are live besides q (which stays in
+ * registers where they suffice, else in L1: an FMA takes it as a memory operand). Where 2G
+ * sums fit, two rows go together: each q chunk serves both, and one reduction tree sums all
+ * 2G (the per-row overhead is what bounds 8-bit rows, which convert instead of waiting).
  * P.V: G * CH accumulators fit the registers only for small shapes (12 of 16 ymm with AVX2),
  * so the chunks are split into tiles of CT that do, and the context into blocks of PV_BLOCK
  * positions: each tile sweeps the block's V rows, which stay in L1 for the next tile.
@@ -337,27 +376,12 @@ static inline __attribute__((always_inline)) void head_group_simd(const Task *t,
         }
     }
 
-    for (int64_t i = 0; i < L; i++) {
-        const int64_t row = (t->slots[i] * Hkv + kvh) * D;
-        prefetch_context(t, kvh, i);
-        prefetch_next(t, kvh, i);
-        if (i + PREFETCH_AHEAD < L) prefetch_row(t->k_pool, KV, (t->slots[i + PREFETCH_AHEAD] * Hkv + kvh) * D, D);
-        vfloat s[MAX_GROUP];
-        /* unrolled whole (gcc stops short at 16 chunks), else the sums live on the stack */
-#pragma GCC unroll 16
-        for (int c = 0; c < CH; c++) {
-            const vfloat k = vec_load(t->k_pool, KV, row + LANES * c);
-            for (int g = 0; g < G; g++) s[g] = c == 0 ? vec_mul(qv[g * CH], k) : vec_fmadd(qv[g * CH + c], k, s[g]);
-        }
-        float dots[MAX_GROUP];
-        vec_reduce_group(s, G, dots);
-        const float ks = row_scale(t->k_scales, KV, t->slots[i], Hkv, kvh);
-        for (int g = 0; g < G; g++) {
-            const float score = KV == DTYPE_INT8 ? dots[g] * ks : dots[g];
-            scores[g * L + i] = score;
-            maxes[g] = score > maxes[g] ? score : maxes[g];
-        }
-    }
+    /* two rows at a time where their 2G sums fit one reduction tree: each q chunk loaded once
+     * for both, and one tree for both rows' sums */
+    int64_t i = 0;
+    if (2 * G <= MAX_GROUP)
+        for (; i + 2 <= L; i += 2) score_rows(t, kvh, qv, i, 2, G, CH, KV, scores, maxes);
+    for (; i < L; i++) score_rows(t, kvh, qv, i, 1, G, CH, KV, scores, maxes);
 
     softmax_weights(scores, maxes, sums, G, L);
     scale_weights(t, kvh, scores, G, L, fp8_factor);
