@@ -232,7 +232,8 @@ def test_server_info_and_health_and_models(client, server, tiny_dir):
     info = server.info()
     assert info["model"]["path"] == str(tiny_dir) and info["model"]["dtype"] == "float32"
     assert info["options"]["page_size"] == 4 and info["options"]["api_key"] is None
-    assert set(info["pages"]) == {"total", "free", "cached", "evictable", "in_use"} and info["pages"]["total"] == 1024
+    assert set(info["pages"]) == {"total", "free", "cached", "evictable", "in_use", "tokens"} and info["pages"]["total"] == 1024
+    assert info["pages"]["tokens"] == 1024 * 4  # pages of 4
     assert set(info["pids"]) == {"server", "scheduler", "worker"} and info["pids"]["server"] == server.proc.pid
     assert info["cpu_isa"] == str(isa.selected_tier())  # the server inherits RADIXSERVE_CPU_ISA, if set
     assert client.get("/health").json() == {"status": "ok"}
