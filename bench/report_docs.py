@@ -406,15 +406,19 @@ def render_kv_cache_dtype(results: Path) -> str:
     if "quality" in d:
         q = d["quality"]
         tokens = q["pool_tokens"]
-        rows = [["bfloat16", _n(tokens["bfloat16"]), "1.00x", "1.00 (itself)", f"{q['bf16_perplexity']:.3f}", "1.000x"]]
-        rows += [[name, _n(tokens[name]), f"**{r['capacity_ratio']:.2f}x**", f"**{r['agreement']:.2f}**",
-                  f"{r['perplexity']:.3f}", f"**{r['perplexity_ratio']:.3f}x**"] for name, r in q["per_dtype"].items()]
+        rows = [["bfloat16", _n(tokens["bfloat16"]), "1.00x", "1.00 (itself)", "1.00 (itself)",
+                 f"{q['bf16_perplexity']:.3f}", "1.000x"]]
+        rows += [[name, _n(tokens[name]), f"**{r['capacity_ratio']:.2f}x**", f"**{r['agreement']:.3f}**",
+                  f"{r['free_running_agreement']:.2f}", f"{r['perplexity']:.3f}", f"**{r['perplexity_ratio']:.3f}x**"]
+                 for name, r in q["per_dtype"].items()]
         lines += ["", f"Capacity and quality: pools of {q['kv_memory_gb']} GiB; {q['prompts']} prompts of "
-                  f"{min(q['prompt_tokens']):,}-{max(q['prompt_tokens']):,} tokens of pydoc_data text; greedy agreement "
-                  f"with the bf16 KV cache over the first {q['agreement_tokens']} output tokens (the mean share before "
-                  f"the first difference); perplexity of each prompt's last {q['held_out']} tokens.", "",
-                  _table(["--kv-cache-dtype", "pool tokens", "vs bf16", "greedy agreement", "perplexity", "vs bf16"],
-                         "lrrrrr", rows), "",
+                  f"{min(q['prompt_tokens']):,}-{max(q['prompt_tokens']):,} tokens of pydoc_data text. Greedy agreement "
+                  f"with the bf16 KV cache over the first {q['agreement_tokens']} output tokens: each prompt followed by "
+                  "bf16's greedy tokens, the share of those positions where this dtype's greedy choice is bf16's "
+                  "(teacher-forced); free running: the mean share of its own tokens before the first difference "
+                  f"from bf16's. Perplexity of each prompt's last {q['held_out']} tokens.", "",
+                  _table(["--kv-cache-dtype", "pool tokens", "vs bf16", "greedy agreement", "free running",
+                          "perplexity", "vs bf16"], "lrrrrrr", rows), "",
                   f"Targets: pool tokens >= {t['capacity_ratio']}x bf16 for every 8-bit kind; agreement >= "
                   f"{t['agreement']} for fp8_e4m3 and int8; perplexity within {round((t['perplexity_ratio'] - 1) * 100)}% "
                   "of bf16 (fp8_e5m2 reported as it comes)."]
