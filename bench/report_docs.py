@@ -422,16 +422,19 @@ def render_kv_cache_dtype(results: Path) -> str:
                   f"Targets: pool tokens >= {t['capacity_ratio']}x bf16 for every 8-bit kind; agreement >= "
                   f"{t['agreement']} for fp8_e4m3 and int8; perplexity within {round((t['perplexity_ratio'] - 1) * 100)}% "
                   "of bf16 (fp8_e5m2 reported as it comes)."]
-    if "speed" in d:
-        sp = d["speed"]
+    for key in ("speed", "speed_avx2"):
+        if key not in d:
+            continue
+        sp = d[key]
         med = sp["median"]
         rows = [[name, _n(m["pool_tokens"]), f"{m['cache_hit_fraction']:.2f}", f"{_n(m['mean_ttft_ms'])} ms",
                  f"{m['output_tok_s']:.1f}",
                  "" if name == "bfloat16" else f"**{sp['summary'][name]['throughput_ratio']:.2f}x**"]
                 for name, m in med.items()]
-        lines += ["", f"Speed: {sp['workload']} at concurrency {sp['concurrency']}, memory only, each pool "
-                  f"the bytes of {sp['bf16_pages']} bf16 pages (bench/disk_tier.py's thrash set-up); "
-                  f"{len(sp['rounds']['bfloat16'])} rounds per dtype, alternating (medians):", "",
+        lines += ["", f"Speed, ISA tier {sp.get('tier', 'the machine s')}: {sp['workload']} at concurrency "
+                  f"{sp['concurrency']}, memory only, each pool the bytes of {sp['bf16_pages']} bf16 pages "
+                  f"(bench/disk_tier.py's thrash set-up); {len(sp['rounds']['bfloat16'])} rounds per dtype, "
+                  "alternating (medians):", "",
                   _table(["--kv-cache-dtype", "pool tokens", "prompt tokens from the cache", "mean TTFT",
                           "output tok/s", "vs bf16"], "lrrrrr", rows), "",
                   f"Target: output tok/s >= {t['throughput_ratio']}x bf16 with an 8-bit KV cache."]
