@@ -379,12 +379,15 @@ def render_segment_reuse(results: Path) -> str:
         e = _load(results, fp32.name)
         lines += ["", f"The same in {e.get('dtype')} (`bench/results/{fp32.name}`, {e.get('date')}, CPU: {e.get('cpu')}):",
                   "", _segment_quality(e)]
-    if "speed" in d:
-        sp, t = d["speed"], d["targets"]
+    for key in ("speed", "speed_amx", "speed_avx2"):
+        if key not in d:
+            continue
+        sp, t = d[key], d["targets"]
         on, off = sp["median"]["on"], sp["median"]["off"]
         su = sp["summary"]
-        lines += ["", f"Speed through HTTP at concurrency {d.get('concurrency', '?')}, {len(sp['rounds']['on'])} rounds "
-                  "each, alternating (medians):", "",
+        where = f" ({sp['note']})" if "note" in sp else ""
+        lines += ["", f"Speed through HTTP at concurrency {d.get('concurrency', '?')}{where}, {len(sp['rounds']['on'])} "
+                  "rounds each, alternating (medians):", "",
                   _table(["", "mean TTFT", "p99 TTFT", "output tok/s", "prompt tokens from a cache", "of them, from segments"],
                          "lrrrrr", [
                              ["prefix cache only (--disable-segment-cache)", f"{_n(off['mean_ttft_ms'])} ms", f"{_n(off['p99_ttft_ms'])} ms",
