@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from radixserve.config import DTYPES
 from radixserve.ipc import stop_process
+from radixserve.kernels import isa
 
 if TYPE_CHECKING:
     import torch
@@ -199,6 +200,19 @@ def add_dtype(parser: argparse.ArgumentParser, choices: Sequence[str] = DTYPES, 
 
 def add_page_size(parser: argparse.ArgumentParser, default: int = 16) -> None:
     parser.add_argument("--page-size", type=int, default=default, help="tokens per KV page")
+
+
+def add_isa(parser: argparse.ArgumentParser) -> None:
+    """--isa: the CPU ISA tier an in-process benchmark runs at (`apply_isa`)."""
+    parser.add_argument("--isa", choices=[str(t) for t in isa.Tier], help="the ISA tier to run at (default: the machine's)")
+
+
+def apply_isa(args: argparse.Namespace) -> None:
+    """Select --isa's tier (if given) before torch's first matmul: the tier caps torch's kernels
+    too, and is fixed once chosen."""
+    if args.isa:
+        os.environ[isa.OVERRIDE_ENV] = args.isa
+    isa.selected_tier()
 
 
 def add_documents(parser: argparse.ArgumentParser, docs: int, doc_tokens: int, questions: int) -> None:

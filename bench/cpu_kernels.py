@@ -19,17 +19,15 @@ the model uses is `kernels.cpu.prefill_attention_serves` and `linear_serves`.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from bench.common import new_parser
+from bench.common import add_isa, apply_isa, new_parser
 from bench.model_runner import machine
 from radixserve.kernels import cpu as cpu_kernels
-from radixserve.kernels import isa
 from radixserve.models.packed_linear import OneDNNLinear, PanelLinear, onednn_packs
 
 LAYERS = 30
@@ -123,11 +121,9 @@ def linears(dtype: torch.dtype, rows: int, repeats: int) -> tuple[float, float]:
 def main() -> None:
     parser = new_parser(__doc__)
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--isa", choices=[str(t) for t in isa.Tier], help="the ISA tier to run at (default: the machine's)")
+    add_isa(parser)
     args = parser.parse_args()
-    if args.isa:
-        os.environ[isa.OVERRIDE_ENV] = args.isa
-    isa.selected_tier()  # before torch's first matmul: it caps torch's kernels for a lower tier
+    apply_isa(args)
     lib = cpu_kernels.load_library()
     if lib is None:
         raise SystemExit("the CPU kernels are off here (no C compiler, or RADIXSERVE_DISABLE_CPU_KERNELS=1)")

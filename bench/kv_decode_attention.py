@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from bench.common import new_parser
+from bench.common import add_isa, apply_isa, new_parser
 from bench.model_runner import machine
 from radixserve.kernels import cpu as cpu_kernels
 from radixserve.kernels import isa
@@ -78,12 +77,10 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--layers", type=int, default=4, help="distinct pools per format, cycled (cold caches)")
     parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--isa", choices=[str(t) for t in isa.Tier], help="the ISA tier to run at (default: the machine's)")
+    add_isa(parser)
     parser.add_argument("--out", help="write the results (JSON) here")
     args = parser.parse_args()
-    if args.isa:
-        os.environ[isa.OVERRIDE_ENV] = args.isa
-    isa.selected_tier()
+    apply_isa(args)
     if cpu_kernels.load_library() is None:
         raise SystemExit("the CPU kernels are off here (no C compiler, or RADIXSERVE_DISABLE_CPU_KERNELS=1)")
     times = run(args.batch, args.context, args.layers, args.repeats)

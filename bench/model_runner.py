@@ -15,14 +15,13 @@ torch's own kernels capped to it: radixserve/kernels/isa.py); the default is the
 from __future__ import annotations
 
 import json
-import os
 import platform
 import time
 from collections.abc import Iterator
 
 import torch
 
-from bench.common import StepClock, new_parser
+from bench.common import StepClock, add_isa, apply_isa, new_parser
 from radixserve.attention.kv_pool import KVPool
 from radixserve.attention.torch_native import TorchNativeBackend
 from radixserve.kernels import isa
@@ -157,12 +156,10 @@ def main() -> None:
                         help="float32, bfloat16, or auto (what --dtype auto picks on the tier)")
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--isa", choices=[str(t) for t in isa.Tier], help="the ISA tier to run at (default: the machine's)")
+    add_isa(parser)
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args()
-    if args.isa:
-        os.environ[isa.OVERRIDE_ENV] = args.isa
-    isa.selected_tier()  # before torch's first matmul: it caps torch's kernels for a lower tier
+    apply_isa(args)
     dtypes = [dtype_name(resolve_dtype(d, torch.device("cpu"))) for d in args.dtypes]
     print(machine())
     print("| dtype | workload | radixserve tok/s | transformers tok/s | ratio |")

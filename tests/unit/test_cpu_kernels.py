@@ -8,25 +8,13 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
+from attention_reference import paged_decode_reference
 
 from radixserve.kernels import cpu as cpu_kernel
 
 needs_compiler = pytest.mark.skipif(
     shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler on this machine"
 )
-
-
-def _reference(q, k_pool, v_pool, table, lens, page_size, scale):
-    """fp32 SDPA over each request's gathered context."""
-    out = []
-    for b in range(q.shape[0]):
-        pos = torch.arange(int(lens[b]))
-        slots = table[b, pos // page_size] * page_size + pos % page_size
-        k = k_pool[slots].float().transpose(0, 1)  # [Hkv, L, D]
-        v = v_pool[slots].float().transpose(0, 1)
-        o = F.scaled_dot_product_attention(q[b].float()[:, None], k, v, scale=scale, enable_gqa=True)
-        out.append(o[:, 0])
-    return torch.stack(out)
 
 
 def _problem(batch, heads, kv_heads, head_dim, page_size, max_len, dtype, seed=0):
@@ -58,7 +46,7 @@ def test_kernel_equals_sdpa_over_gathered_pages(shape, page_size, dtype, cpu_tie
     q, k_pool, v_pool, table, lens = _problem(*shape, page_size, 75, dtype)
     scale = shape[3] ** -0.5
     got = cpu_kernel.paged_decode(q, k_pool, v_pool, table, lens, page_size, scale)
-    want = _reference(q, k_pool, v_pool, table, lens, page_size, scale)
+    want = paged_decode_reference(q, k_pool, v_pool, table, lens, page_size, scale)
     assert got.dtype == dtype and got.shape == q.shape
     assert (got.float() - want).abs().max() < TOLERANCE[dtype]
 
@@ -79,7 +67,7 @@ def test_kernel_stores_the_new_token_then_attends_to_it(dtype, cpu_tier):
     slots = table[torch.arange(batch), last // ps] * ps + last % ps
     before_k[slots], before_v[slots] = k_new, v_new
     assert torch.equal(k_pool, before_k) and torch.equal(v_pool, before_v)  # only those rows
-    want = _reference(q, k_pool, v_pool, table, lens, ps, 0.125)
+    want = paged_decode_reference(q, k_pool, v_pool, table, lens, ps, 0.125)
     assert (got.float() - want).abs().max() < TOLERANCE[dtype]
 
 
@@ -107,7 +95,7 @@ def test_rows_of_one_request_see_each_others_new_tokens(rows, cpu_tier):
     want_k[slots], want_v[slots] = k_new, v_new
     got = cpu_kernel.paged_decode(q, k_pool, v_pool, table, lens, ps, 0.125, k_new=k_new, v_new=v_new)
     assert torch.equal(k_pool, want_k) and torch.equal(v_pool, want_v)  # each row in its slot, nothing else
-    want = _reference(q, want_k, want_v, table, lens, ps, 0.125)
+    want = paged_decode_reference(q, want_k, want_v, table, lens, ps, 0.125)
     assert (got.float() - want).abs().max() < TOLERANCE[torch.bfloat16]
     again = cpu_kernel.paged_decode(q, want_k, want_v, table, lens, ps, 0.125)  # all already stored
     assert torch.equal(got, again)

@@ -22,6 +22,7 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
+from attention_reference import paged_decode_reference
 
 from radixserve.kernels import cpu as cpu_kernel
 from radixserve.kernels import kv_quant
@@ -97,19 +98,6 @@ def _decode_problem(batch, heads, kv_heads, head_dim, page_size, max_len, dtype,
     return q, (k, ks, k_ref), (v, vs, v_ref), table, lens
 
 
-def _decode_reference(q, k_ref, v_ref, table, lens, page_size, scale):
-    """SDPA in float64 over each request's gathered, dequantized context."""
-    out = []
-    for b in range(q.shape[0]):
-        pos = torch.arange(int(lens[b]))
-        slots = table[b, pos // page_size] * page_size + pos % page_size
-        k = k_ref[slots].double().transpose(0, 1)  # [Hkv, L, D]
-        v = v_ref[slots].double().transpose(0, 1)
-        o = F.scaled_dot_product_attention(q[b].double()[:, None], k, v, scale=scale, enable_gqa=True)
-        out.append(o[:, 0])
-    return torch.stack(out)
-
-
 def _decode(q, k, v, table, lens, page_size, scale, fmt):
     return cpu_kernel.paged_decode(q, k[0], v[0], table, lens, page_size, scale, kv_format=fmt,
                                    k_scales=k[1], v_scales=v[1])
@@ -133,7 +121,7 @@ def test_decode_equals_attention_over_the_dequantized_pool(cpu_tier, name, shape
     scale = shape[3] ** -0.5
     got = _decode(q, k, v, table, lens, page_size, scale, fmt)
     bf16_dot = dtype == torch.bfloat16 and name == "bfloat16" and cpu_tier >= Tier.AVX512_BF16
-    _assert_close(got, _decode_reference(q, k[2], v[2], table, lens, page_size, scale), dtype, weights_rounded=bf16_dot)
+    _assert_close(got, paged_decode_reference(q, k[2], v[2], table, lens, page_size, scale, torch.float64), dtype, weights_rounded=bf16_dot)
 
 
 @COMPUTE
@@ -154,7 +142,7 @@ def test_decode_reads_every_magnitude_of_the_format(cpu_tier, name, shape, band,
         assert (exponent == 0).float().mean() > (0.5 if not fmt.scaled else 0.9)
     scale = shape[3] ** -0.5
     got = _decode(q, k, v, table, lens, 16, scale, fmt)
-    _assert_close(got, _decode_reference(q, k[2], v[2], table, lens, 16, scale), dtype)
+    _assert_close(got, paged_decode_reference(q, k[2], v[2], table, lens, 16, scale, torch.float64), dtype)
 
 
 def _every_code(fmt: KVFormat) -> tuple[torch.Tensor, torch.Tensor | None]:
