@@ -10,8 +10,9 @@ Each run plans and runs one decode and one prefill batch through `FlashInferBack
 compiles the modules (or loads them from FlashInfer's cache, ~/.cache/flashinfer or
 $FLASHINFER_WORKSPACE_BASE/.cache/flashinfer). A group of 4 or more decodes with tensor cores,
 which reuses the prefill module; a group below 4 also builds the CUDA-core decode module, so
-it is listed first. An fp8 KV cache (`--kv-cache-dtype`) is its own module. Several runs in parallel use the GPU machine's cores better than one
-build after another; FlashInfer's file locks keep them from building the same module twice.
+it is listed first. An fp8 KV cache (`--kv-cache-dtype`) is its own module. Several runs in
+parallel use the GPU machine's cores better than one build after another; FlashInfer's file
+locks keep them from building the same module twice.
 """
 
 from __future__ import annotations

@@ -13,8 +13,7 @@
 #   measures torch_native.
 # Stage limits (seconds) add up to 570 s (install 20, JIT 180, tests 200, bench 170 of which
 # 100 start new stages); override with JIT_S, TEST_S, BENCH_S, BENCH_BUDGET_S. Give the run
-# timeout_s 590. On the H200 of 2026-12-04 the four JIT builds took 115 s together, loading a
-# built module takes ~30 s per process, and the benchmark ran its stages in 122 s.
+# timeout_s 590 (docs/cuda.md says what each stage took on the H200).
 set -uo pipefail
 OUT=${1:-${OUT:-gpu_results}}
 mkdir -p "$OUT"

@@ -434,7 +434,8 @@ def render_kv_cache_dtype(results: Path) -> str:
                  f"{m['output_tok_s']:.1f}",
                  "" if name == "bfloat16" else f"**{sp['summary'][name]['throughput_ratio']:.2f}x**"]
                 for name, m in med.items()]
-        lines += ["", f"Speed, ISA tier {sp.get('tier', 'the machine s')}: {sp['workload']} at concurrency "
+        tier = sp.get("tier", "the machine's")
+        lines += ["", f"Speed, ISA tier {tier}: {sp['workload']} at concurrency "
                   f"{sp['concurrency']}, memory only, each pool the bytes of {sp['bf16_pages']} bf16 pages "
                   f"(bench/disk_tier.py's thrash set-up); {len(sp['rounds']['bfloat16'])} rounds per dtype, "
                   "alternating (medians):", "",
