@@ -477,7 +477,30 @@ def render_gpu(results: Path) -> str:
         _table(["workload", "system", "tok/s", "vs transformers", "step ms", "floor ms", "step / floor", "notes"],
                "llrrrrrl", rows),
         *(["", "Skipped: " + "; ".join(d["skipped"])] if d.get("skipped") else []),
+        *_gpu_runs(results, d),
     ])
+
+
+def _gpu_runs(results: Path, first: dict[str, Any]) -> list[str]:
+    """Later runs of the same check (`gpu_h200_run*.json`), radixserve's tok/s beside the first's:
+    on a lent machine one run is no measure of the spread."""
+    later = [_load(results, p.name) for p in sorted(results.glob("gpu_h200_run*.json"))]
+    if not later:
+        return []
+    runs = [first, *later]
+    header = ["workload", "system", *(f"tok/s, {r['env'].get('date', 'undated')}" for r in runs)]
+    rows = []
+    for row in first["rows"]:
+        if not row["system"].startswith("radixserve"):
+            continue
+        cells = []
+        for run in runs:
+            match = [r for r in run["rows"] if (r["workload"], r["system"]) == (row["workload"], row["system"])]
+            cells.append(_n(match[0]["tok_s"]) if match else "")
+        rows.append([row["workload"], row["system"], *cells])
+    files = ", ".join(f"`bench/results/{p.name}`" for p in sorted(results.glob("gpu_h200_run*.json")))
+    return ["", f"The same check run again, same machine kind ({files}):", "",
+            _table(header, "ll" + "r" * len(runs), rows)]
 
 
 BLOCKS: tuple[Block, ...] = (
