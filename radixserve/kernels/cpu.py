@@ -19,6 +19,8 @@
   every call, which at decode batch sizes costs more than the arithmetic, and oneDNN's bf16
   kernels without AMX stream the weights slower than this kernel does (below AVX-512, torch
   has no fast bf16 matmul at all).
+- `quant_linear` (radixserve.kernels.quant_linear): linear layers over GGUF-quantized weights
+  (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) kept in their blocks, dequantized inside integer dot products.
 - `rms_norm`, `rotary`, `silu_mul`: RMSNorm, rotary embedding and the MLP activation of fp32
   or bf16 rows in one call each (torch needs eight, six and two small ops, which at decode
   batch sizes cost more than their arithmetic).
@@ -117,6 +119,16 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.linear_panel_width.restype = cint
     lib.linear_serves.argtypes = [cint]
     lib.linear_serves.restype = cint
+    lib.quant_linear.argtypes = [ptr, i64, i64, i64, ptr, i64, cint, cint, ptr, ptr, i64, cint, cint, cint]
+    lib.quant_linear.restype = cint
+    lib.quant_linear_serves.argtypes = [cint]
+    lib.quant_linear_serves.restype = cint
+    lib.quant_linear_scratch_bytes.argtypes = [cint, i64, i64]
+    lib.quant_linear_scratch_bytes.restype = i64
+    lib.quant_pack.argtypes = [ptr, i64, i64, cint, ptr, cint, cint]
+    lib.quant_pack.restype = cint
+    lib.quant_dequantize.argtypes = [ptr, i64, i64, cint, cint, ptr, i64, ptr, i64, cint, cint]
+    lib.quant_dequantize.restype = cint
 
 
 def load_library(tier: isa.Tier | None = None) -> ctypes.CDLL | None:

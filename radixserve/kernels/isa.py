@@ -10,8 +10,8 @@ Tiers, each including the ones before it:
   baseline (SSE2 on x86-64, NEON on aarch64). Every machine has it.
 - `avx2`: AVX2 + FMA + F16C (Intel since Haswell, AMD since Zen 1).
 - `avx512`: AVX-512 F/BW/VL/DQ (Intel Skylake-SP and later servers, AMD Zen 4).
-- `avx512_bf16`: plus AVX-512 BF16, the bf16 pair dot product (Intel Cooper Lake, Sapphire
-  Rapids; AMD Zen 4).
+- `avx512_bf16`: plus AVX-512 BF16, the bf16 pair dot product, and AVX512-VNNI, the int8 and
+  int16 dot products (Intel Cooper Lake, Sapphire Rapids; AMD Zen 4: each has both).
 - `amx`: plus AMX tiles for bf16 (Intel Sapphire Rapids and later). radixserve's kernels use no
   AMX instruction; torch's oneDNN does, so on this tier bf16 matmuls stay with torch.
 
@@ -61,7 +61,7 @@ class Tier(enum.IntEnum):
 _REQUIRED_FLAGS: dict[Tier, tuple[str, ...]] = {
     Tier.AVX2: ("avx2", "fma", "f16c"),
     Tier.AVX512: ("avx512f", "avx512bw", "avx512vl", "avx512dq"),
-    Tier.AVX512_BF16: ("avx512_bf16",),
+    Tier.AVX512_BF16: ("avx512_bf16", "avx512_vnni"),
     Tier.AMX: ("amx_tile", "amx_bf16"),
 }
 
@@ -70,7 +70,7 @@ _REQUIRED_FLAGS: dict[Tier, tuple[str, ...]] = {
 _COMPILE_FLAGS: dict[Tier, tuple[str, ...]] = {
     Tier.AVX2: ("-mavx2", "-mfma", "-mf16c"),
     Tier.AVX512: ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mprefer-vector-width=512"),
-    Tier.AVX512_BF16: ("-mavx512bf16",),
+    Tier.AVX512_BF16: ("-mavx512bf16", "-mavx512vnni"),
     Tier.AMX: (),  # the kernels use no AMX instruction: the avx512_bf16 build serves
 }
 

@@ -16,7 +16,7 @@ from radixserve.kernels.isa import Tier
 
 BASE = "fpu sse sse2 ssse3 sse4_1 sse4_2 avx"
 ZEN3 = f"{BASE} avx2 fma f16c bmi2"
-ZEN4 = f"{ZEN3} avx512f avx512bw avx512vl avx512dq avx512_bf16"
+ZEN4 = f"{ZEN3} avx512f avx512bw avx512vl avx512dq avx512_bf16 avx512_vnni"
 SAPPHIRE_RAPIDS = f"{ZEN4} amx_tile amx_bf16 amx_int8"
 AARCH64_CC = "aarch64-linux-gnu-gcc"
 
@@ -126,7 +126,7 @@ def test_compile_flags_accumulate_by_tier(cpu):
     assert isa.compile_flags(Tier.AVX2) == ["-mavx2", "-mfma", "-mf16c"]
     avx512 = isa.compile_flags(Tier.AVX512)
     assert avx512[:3] == ["-mavx2", "-mfma", "-mf16c"] and "-mavx512bw" in avx512 and "-mavx512bf16" not in avx512
-    assert isa.compile_flags(Tier.AVX512_BF16) == [*avx512, "-mavx512bf16"] == isa.compile_flags(Tier.AMX)
+    assert isa.compile_flags(Tier.AVX512_BF16) == [*avx512, "-mavx512bf16", "-mavx512vnni"] == isa.compile_flags(Tier.AMX)
 
 
 def test_the_kernels_build_for_every_tier_the_machine_supports(cpu_tier):
