@@ -44,7 +44,7 @@ def _prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
 
 class Ours:
     def __init__(self, dtype: torch.dtype, page_size: int = 16) -> None:
-        loaded = load_model("default", dtype=dtype)
+        loaded = load_model("default", dtype=dtype, quantization="none")  # transformers' weights, dequantized
         self.model, cfg = loaded.model, loaded.config
         self.vocab = cfg.vocab_size
         shape = self.model.attention_shape()

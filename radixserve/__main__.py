@@ -30,6 +30,7 @@ from radixserve.config import (
     KV_CACHE_DTYPES,
     LOG_LEVELS,
     POLICIES,
+    QUANTIZATIONS,
     TOOL_CALL_PARSERS,
     ServerConfig,
 )
@@ -60,6 +61,9 @@ HELP = {
     "kv_cache_dtype": "what the KV pool stores: auto (the model's dtype), bfloat16, float32, or 8 bits "
     "an element, twice the tokens in the same memory: fp8_e4m3, fp8_e5m2, int8 (a scale per token "
     "and KV head); quantized once when stored, read directly by the attention kernels",
+    "quantization": "how a GGUF model's weights are held on the CPU: gguf keeps the file's quantized "
+    "blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K; other types are dequantized), read by kernels that "
+    "dequantize inside the dot product; none dequantizes every tensor to --dtype",
     "context_len": "cap on prompt + output tokens of one request (default: the model's limit)",
     "schedule_policy": "waiting-queue order: lpm (longest cached prefix first) or fcfs",
     "disable_radix_cache": "keep the paging but cache no prefixes (the benchmark baseline)",
@@ -129,7 +133,8 @@ HELP = {
     "log_level": "logging level of every process",
 }
 _CHOICES = {
-    "dtype": DTYPES, "kv_cache_dtype": KV_CACHE_DTYPES, "attention_backend": ATTENTION_BACKENDS,
+    "dtype": DTYPES, "kv_cache_dtype": KV_CACHE_DTYPES, "quantization": QUANTIZATIONS,
+    "attention_backend": ATTENTION_BACKENDS,
     "schedule_policy": POLICIES, "log_level": LOG_LEVELS, "tool_call_parser": TOOL_CALL_PARSERS,
 }
 

@@ -17,6 +17,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # what the KV pool stores (kernels/kv_quant.py): auto is the model's dtype; the 8-bit kinds hold
 # twice the tokens (the fp8 names are SGLang's and vLLM's)
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8_e4m3", "fp8_e5m2", "int8")
+# how a GGUF model's weights are held (models/gguf_quantized.py): gguf keeps the file's quantized
+# blocks for the CPU kernels that read them; none dequantizes them to the model's dtype
+QUANTIZATIONS = ("gguf", "none")
 DEVICES = ("auto", "cpu", "cuda")  # and "cuda:K", one GPU of several (see _check_device)
 POLICIES = ("lpm", "fcfs")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -40,6 +43,7 @@ class ServerConfig:
     kv_pages: int | None = None  # KV pool size in pages; None: from kv_memory_gb
     kv_memory_gb: float = 2.0
     kv_cache_dtype: str = "auto"
+    quantization: str = "gguf"
     context_len: int | None = None  # cap on prompt + output tokens; None: the model's limit
     schedule_policy: str = "lpm"
     disable_radix_cache: bool = False
@@ -93,6 +97,7 @@ class ServerConfig:
     def __post_init__(self) -> None:
         _choice("dtype", self.dtype, DTYPES)
         _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        _choice("quantization", self.quantization, QUANTIZATIONS)
         _check_device(self.device)
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         if self.attention_backend == "flashinfer" and self.device == "cpu":

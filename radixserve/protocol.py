@@ -333,6 +333,9 @@ class WorkerInfo(msgspec.Struct, frozen=True):
     # token (it runs through the first layers only: worker/blend.py); step budgets count it so
     blend_copy_cost: float = 1.0
     kv_cache_dtype: str = "auto"  # what the KV pool stores (--kv-cache-dtype resolved: never auto)
+    # how the weights are held (models/loader.py): "gguf Q4_1+Q8_0" (the GGUF types kept quantized
+    # for the CPU kernels), or "none" (dequantized to `dtype`)
+    weight_format: str = "none"
 
 
 class SchedulerReady(msgspec.Struct, tag=True):

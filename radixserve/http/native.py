@@ -179,6 +179,7 @@ def _model_description(state: ServerState) -> dict[str, Any]:
         "name": state.model_name, "path": ready.model_path, "dtype": ready.dtype, "device": ready.device,
         "context_len": ready.context_len, "vocab_size": ready.vocab_size, "page_size": ready.page_size,
         "kv_cache_dtype": ready.kv_cache_dtype, "kv_pool_tokens": ready.total_pages * ready.page_size,
+        "weight_format": ready.weight_format,
     }
 
 

@@ -1,22 +1,29 @@
 """Load a model spec into our own model, reading safetensors directly (no transformers).
 
 The model is built on the meta device (no memory, no random init) and the checkpoint tensors
-are assigned into it, cast to the requested dtype and moved to the device once each.
+are assigned into it, cast to the requested dtype and moved to the device once each. A GGUF
+model on the CPU first has its linear layers and embedding replaced by ones that keep the
+file's quantized blocks (models/gguf_quantized.py, `quantization="gguf"`); the rest comes from
+the dequantized folder the GGUF was converted into.
 """
 
 from __future__ import annotations
 
+import logging
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
+from radixserve.config import QUANTIZATIONS
 from radixserve.models.config import ModelConfig
+from radixserve.models.gguf_quantized import quantize_from_gguf
 from radixserve.models.llama import ARCHITECTURES, LlamaForCausalLM
 from radixserve.models.packed_linear import fp32_logits_head, pack_linears, packed_linear
-from radixserve.models.resolve import resolve_model
+from radixserve.models.resolve import gguf_file, resolve_model
 
 # our fused module -> the HF modules it concatenates (along dim 0, in this order)
 _FUSED = {
@@ -26,12 +33,17 @@ _FUSED = {
 # checkpoint tensors we recompute ourselves
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
+log = logging.getLogger("radixserve.worker")
+
 
 @dataclass(frozen=True)
 class LoadedModel:
     model: LlamaForCausalLM
     config: ModelConfig
     path: Path  # the HF folder; the tokenizer files live here
+    # how the weights are held: "gguf Q4_1+Q8_0" (the GGUF types kept quantized), or "none"
+    # (dequantized to the model's dtype)
+    weight_format: str = "none"
 
 
 def load_model(
@@ -39,13 +51,18 @@ def load_model(
     dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
     pack_weights: bool = True,
+    quantization: str = "gguf",
 ) -> LoadedModel:
     """Resolve `spec` (see resolve.py), build the model and load its weights.
 
     dtype None keeps the checkpoint's dtype. Linear weights on the CPU are packed for its matmul
-    kernels (packed_linear.py) unless `pack_weights` is False. Raises ModelNotFoundError or ValueError
-    naming the path for a missing or unusable model, including missing or unexpected weights.
+    kernels (packed_linear.py) unless `pack_weights` is False; with `quantization` "gguf" (and
+    packing on), a GGUF model's layers of a type the kernels serve keep the file's blocks.
+    Raises ModelNotFoundError or ValueError naming the path for a missing or unusable model,
+    including missing or unexpected weights and tensors that disagree with the config.
     """
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
     path = resolve_model(spec)
     config = ModelConfig.from_folder(path)
     if config.architecture not in ARCHITECTURES:
@@ -53,18 +70,33 @@ def load_model(
             f"{path}: architecture {config.architecture} is not supported "
             f"(supported: {', '.join(sorted(ARCHITECTURES))})"
         )
+    dtype = dtype or config.torch_dtype
     with torch.device("meta"):
         model = ARCHITECTURES[config.architecture](config)
-    state = _read_weights(path, model, dtype or config.torch_dtype, torch.device(device))
+    weight_format, from_gguf = "none", set()
+    source = gguf_file(spec)
+    if source is not None and quantization == "gguf" and pack_weights:
+        if torch.device(device).type != "cpu":
+            log.info("%s: quantized kernels are CPU-only; dequantizing to %s on %s", source.name, dtype, device)
+        else:
+            quantized = quantize_from_gguf(model, config, source, dtype)
+            weight_format = quantized.weight_format
+            from_gguf = {hf for name in quantized.modules for hf in _hf_names(f"{name}.weight")}
+            for kind, names in sorted(quantized.dequantized.items()):
+                log.info("%s: %d tensors of type %s have no quantized kernel; dequantized to %s (e.g. %s)",
+                         source.name, len(names), kind, dtype, names[0])
+    state = _read_weights(path, model, dtype, torch.device(device), from_gguf)
     model.load_state_dict(state, assign=True)
     if pack_weights:
         head = model.embed_tokens if model.lm_head is None else model.lm_head
-        if (fp32_head := fp32_logits_head(head.weight, getattr(head, "bias", None))) is not None:
+        if isinstance(head, nn.Embedding | nn.Linear) and (
+            fp32_head := fp32_logits_head(head.weight, getattr(head, "bias", None))
+        ) is not None:
             model.lm_head = fp32_head  # not an nn.Linear: pack_linears leaves it
         pack_linears(model)
         if model.lm_head is None:  # tied: a packed copy of the embedding table, where one applies
             model.lm_head = packed_linear(model.embed_tokens.weight, None)
-    return LoadedModel(model.eval().requires_grad_(False), config, path)
+    return LoadedModel(model.eval().requires_grad_(False), config, path, weight_format)
 
 
 def _hf_names(name: str) -> list[str]:
@@ -81,9 +113,10 @@ def _hf_names(name: str) -> list[str]:
 
 
 def _read_weights(
-    path: Path, model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device
+    path: Path, model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device, from_gguf: set[str]
 ) -> dict[str, torch.Tensor]:
-    """Our state dict from the folder's safetensors files; every tensor checked by name and shape."""
+    """Our state dict from the folder's safetensors files; every tensor checked by name and shape.
+    `from_gguf`: the folder's tensors whose layers hold the GGUF's blocks instead (not read)."""
     with ExitStack() as stack:
         files = [
             stack.enter_context(safe_open(f, framework="pt", device="cpu"))
@@ -106,6 +139,7 @@ def _read_weights(
                 )
             state[name] = tensor
             used.update(parts)
+    used |= from_gguf
     if model.config.tie_word_embeddings:
         used.add("lm_head.weight")  # some tied checkpoints store the copy anyway
     unexpected = sorted(n for n in where if n not in used and not n.endswith(_IGNORED_SUFFIXES))

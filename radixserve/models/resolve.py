@@ -65,6 +65,12 @@ def resolve_model(spec: str | Path) -> Path:
     return _cached_gguf(path)
 
 
+def gguf_file(spec: str | Path) -> Path | None:
+    """The GGUF file `spec` names (the default model's for `default`), or None for a folder."""
+    path = default_gguf() if str(spec) == DEFAULT_SPEC else Path(spec).expanduser().absolute()
+    return path if path.suffix == ".gguf" and path.is_file() else None
+
+
 def _check_hf_folder(path: Path) -> None:
     if not (path / "config.json").is_file():
         ggufs = sorted(p.name for p in path.glob("*.gguf"))

@@ -56,9 +56,10 @@ _SUFFIX = ".kv"
 _TEMP_SUFFIX = ".tmp"
 
 
-def model_key(weight_files: list[Path], pool: KVPool) -> bytes:
+def model_key(weight_files: list[Path], pool: KVPool, weight_format: str = "none") -> bytes:
     """SHA-256 over the weights' content and everything that shapes a page's bytes: two
-    servers share disk pages only if the same model wrote them the same way."""
+    servers share disk pages only if the same model wrote them the same way (the same weights
+    held quantized compute other K/V than dequantized: `weight_format`, models/loader.py)."""
     digest = hashlib.sha256(b"radixserve-kv-model\x00")
     for path in sorted(weight_files):
         digest.update(path.name.encode() + b"\x00")
@@ -71,6 +72,8 @@ def model_key(weight_files: list[Path], pool: KVPool) -> bytes:
     )
     if pool.converted:  # pages of different KV dtypes never mix (a pool of the model's dtype: as before)
         layout += f" kv_cache_dtype={pool.format.name}{' scales=LKV-fp16' if pool.format.scaled else ''}"
+    if weight_format != "none":  # dequantized weights: as before
+        layout += f" weights={weight_format}"
     digest.update(layout.encode())
     return digest.digest()
 

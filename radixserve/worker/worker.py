@@ -55,8 +55,9 @@ class Worker:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         if loaded is None:
-            loaded = load_model(config.model, dtype=self.dtype, device=self.device)
+            loaded = load_model(config.model, dtype=self.dtype, device=self.device, quantization=config.quantization)
         self.model_path = str(loaded.path)
+        self.weight_format = loaded.weight_format
         mc = loaded.config
         self.vocab_size = mc.vocab_size
         self.eos_token_ids = list(mc.eos_token_ids)
@@ -79,7 +80,7 @@ class Worker:
         self.disk_pages: list[bytes] = []
         if config.kv_disk_dir:
             weights = sorted(loaded.path.glob("*.safetensors")) + [loaded.path / "config.json"]
-            self.disk = DiskStore(config.kv_disk_dir, self.pool, model_key(weights, self.pool))
+            self.disk = DiskStore(config.kv_disk_dir, self.pool, model_key(weights, self.pool, self.weight_format))
             self.disk_pages = self.disk.scan()
             log.info("kv disk tier: %s, %d pages found", self.disk.dir, len(self.disk_pages))
         backend = create_backend(config.attention_backend, self.pool, shape, self.device)
@@ -92,9 +93,10 @@ class Worker:
         fail_on = os.environ.get(FAIL_ON_TOKEN_ENV)
         self._fail_on_token = int(fail_on) if fail_on else None
         log.info(
-            "worker ready: model %s, %s on %s (CPU ISA %s), %s attention%s, KV pool %d pages x %d tokens "
-            "= %d tokens of %s KV (%.2f GiB)",
-            self.model_path, dtype_name(self.dtype), self.device, isa.selected_tier(), type(backend).__name__,
+            "worker ready: model %s, %s on %s (CPU ISA %s), weights %s, %s attention%s, KV pool %d pages x "
+            "%d tokens = %d tokens of %s KV (%.2f GiB)",
+            self.model_path, dtype_name(self.dtype), self.device, isa.selected_tier(), self.weight_format,
+            type(backend).__name__,
             ", decode CUDA graphs" if self.runner.graphs is not None else _cpu_kernels_used(backend),
             num_pages, config.page_size, num_pages * config.page_size, self.kv_format.name,
             num_pages * page_bytes / 2**30,
@@ -112,6 +114,7 @@ class Worker:
                 dtype=dtype_name(self.dtype),
                 device=str(self.device),
                 kv_cache_dtype=self.kv_format.name,
+                weight_format=self.weight_format,
                 cpu_isa=str(isa.selected_tier()),
                 blend_copy_cost=blend_copy_cost(len(self.runner.model.layers)),
             ),

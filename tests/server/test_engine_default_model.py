@@ -1,6 +1,6 @@
-"""Exactness of the whole runtime on the default model (SmolLM2-135M-Instruct, fp32):
-greedy outputs through `Engine` equal transformers' greedy `generate`, token for token, with
-chunked prefill, page sizes 1 and 16, and cache hits."""
+"""Exactness of the whole runtime on the default model (SmolLM2-135M-Instruct, fp32, its GGUF
+dequantized: `quantization="none"`): greedy outputs through `Engine` equal transformers' greedy
+`generate`, token for token, with chunked prefill, page sizes 1 and 16, and cache hits."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def hf_outputs(hf_default_model, chat_prompts) -> list[list[int]]:
 @pytest.mark.parametrize("page_size,chunk_size", [(16, 16), (1, 24)])
 def test_greedy_equals_transformers_with_chunks_and_cache_hits(chat_prompts, hf_outputs, page_size, chunk_size):
     params = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS}
-    with Engine(model="default", dtype="float32", page_size=page_size, chunk_size=chunk_size,
+    with Engine(model="default", dtype="float32", quantization="none", page_size=page_size, chunk_size=chunk_size,
                 kv_pages=8192 // page_size, debug_checks=True) as engine:
         first = engine.generate(input_ids=chat_prompts, sampling_params=params)
         assert [o["output_ids"] for o in first] == hf_outputs

@@ -231,6 +231,7 @@ def test_flush_cache_while_a_request_runs_is_a_409_error_and_its_pages_show_in_u
 def test_server_info_and_health_and_models(client, server, tiny_dir):
     info = server.info()
     assert info["model"]["path"] == str(tiny_dir) and info["model"]["dtype"] == "float32"
+    assert info["model"]["weight_format"] == "none"  # a Hugging Face folder: nothing to keep quantized
     assert info["options"]["page_size"] == 4 and info["options"]["api_key"] is None
     assert set(info["pages"]) == {"total", "free", "cached", "evictable", "in_use", "tokens"} and info["pages"]["total"] == 1024
     assert info["pages"]["tokens"] == 1024 * 4  # pages of 4

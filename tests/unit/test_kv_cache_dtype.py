@@ -132,6 +132,14 @@ def test_a_page_written_to_disk_comes_back_bit_identical_with_its_scales(tmp_pat
     assert all(torch.equal(g.view(torch.uint8), w.view(torch.uint8)) for g, w in zip(got, want, strict=True))
 
 
+def test_the_model_key_tells_quantized_weights_from_dequantized_ones():
+    """The same GGUF held as quantized blocks computes other K/V than dequantized: the disk tier
+    keeps their pages apart (a dequantized model's key is what it was before `--quantization`)."""
+    pool = _pool("bfloat16", torch.bfloat16)
+    keys = {model_key([], pool), model_key([], pool, "gguf Q4_1+Q8_0"), model_key([], pool, "gguf Q4_K+Q6_K")}
+    assert len(keys) == 3 and model_key([], pool, "none") == model_key([], pool)
+
+
 def test_the_disk_tier_refuses_pages_of_another_kv_dtype(tmp_path, caplog):
     """The KV dtype is part of the model key: another dtype's server looks in another folder,
     and a page file of another dtype planted in its own is dropped, never loaded."""

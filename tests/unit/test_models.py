@@ -17,61 +17,17 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import save_tiny_model, tiny_configs
+from paged_run import PagedRun
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from radixserve.attention.base import AttentionBatch
-from radixserve.attention.kv_pool import KVPool
-from radixserve.attention.torch_native import TorchNativeBackend
 from radixserve.kernels import isa
 from radixserve.models import LlamaForCausalLM, ModelConfig, load_model, resolve
 from radixserve.models.layers import RotaryEmbedding
 
 TINY_TOL = 1e-4  # fp32, 2 layers
 DEFAULT_TOL = 1e-3  # fp32, 30 layers, logits of order 10
-
-
-class PagedRun:
-    """Drives a model through the paged backend like the runner does: a pool, per-request page
-    rows (deliberately scattered), and forwards over packed new tokens."""
-
-    def __init__(self, model: LlamaForCausalLM, page_size: int = 16, num_pages: int = 64) -> None:
-        self.model = model
-        shape = model.attention_shape()
-        dtype = model.embed_tokens.weight.dtype
-        self.pool = KVPool(
-            model.config.num_layers, num_pages, page_size, shape.num_kv_heads, shape.head_dim, dtype
-        )
-        self.backend = TorchNativeBackend(self.pool, shape)
-        self.free = torch.randperm(num_pages, generator=torch.Generator().manual_seed(0)).tolist()
-        self.pages: list[list[int]] = []  # per request
-        self.lens: list[int] = []  # tokens already stored, per request
-
-    def add_request(self) -> int:
-        self.pages.append([])
-        self.lens.append(0)
-        return len(self.pages) - 1
-
-    @torch.inference_mode()
-    def forward(self, new_tokens: dict[int, list[int]]) -> dict[int, torch.Tensor]:
-        """Request id -> its new tokens; returns request id -> logits [len(new), vocab]."""
-        rids = list(new_tokens)
-        ps = self.pool.page_size
-        for r in rids:
-            while len(self.pages[r]) * ps < self.lens[r] + len(new_tokens[r]):
-                self.pages[r].append(self.free.pop())
-        width = max(len(self.pages[r]) for r in rids)
-        table = torch.tensor([self.pages[r] + [0] * (width - len(self.pages[r])) for r in rids])
-        prefix = [self.lens[r] for r in rids]
-        extend = [len(new_tokens[r]) for r in rids]
-        self.backend.plan(AttentionBatch(ps, table, prefix, extend))
-        ids = torch.tensor([t for r in rids for t in new_tokens[r]])
-        positions = torch.cat([torch.arange(p, p + e) for p, e in zip(prefix, extend, strict=True)])
-        logits = self.model.compute_logits(self.model(ids, positions, self.backend))
-        for r, e in zip(rids, extend, strict=True):
-            self.lens[r] += e
-        return dict(zip(rids, logits.split(extend), strict=True))
 
 
 @torch.inference_mode()
@@ -257,8 +213,9 @@ def test_default_model_matches_hf_gguf(
     default_model_dir: Path, hf_default_model: torch.nn.Module, cpu_tier: isa.Tier
 ) -> None:
     """Our model from the cache vs transformers reading the GGUF itself, on a chat prompt, with
-    the kernels of every CPU ISA tier the machine supports."""
-    loaded = load_model("default", torch.float32)
+    the kernels of every CPU ISA tier the machine supports; the GGUF dequantized (its quantized
+    blocks quantize activations too: tests/unit/test_gguf_quantized.py)."""
+    loaded = load_model("default", torch.float32, quantization="none")
     assert loaded.path == default_model_dir
     config = loaded.config
     assert (config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads) == (
