@@ -25,6 +25,13 @@
  * paths split each block's dot into per-lane integer parts scaled the same way, so paths and
  * tiers differ only in the order of the fp32 sums.
  *
+ * Q8_0's activations: its weights are near-lossless, and int8 activations alone would move a
+ * layer's output by up to about 1% (a block holding an outlier channel rounds its other values
+ * coarsely), far more than the weights do. So each Q8_0 row is quantized twice: the row, then
+ * its rounding residual x - d * q, each into int8 blocks with its own scale; the two are dotted
+ * as two rows (one pass over the weights) and their outputs added. The residual's step is at
+ * most 1/254 of the first's: about 16-bit activations, for twice the integer work.
+ *
  * Two weight layouts (`interleaved`): the file's, above, and `quant_pack`'s (once at load, the
  * same bytes), where groups of 16 rows have their blocks interleaved so that a 64-byte load
  * holds four values of each of 16 columns (see "the interleaved layout" below); rows past the
@@ -106,7 +113,13 @@ static int64_t act_row_bytes(int qtype, int64_t K) {
     return (K + tail + 63) / 64 * 64;
 }
 
-int64_t quant_linear_scratch_bytes(int qtype, int64_t M, int64_t K) { return M * act_row_bytes(qtype, K) + 64; }
+/* Scratch rows per activation row: Q8_0 holds each row twice, the row and what its int8 rounding
+ * left (see "Q8_0's activations" above). */
+static int64_t act_parts(int qtype) { return qtype == QT_Q8_0 ? 2 : 1; }
+
+int64_t quant_linear_scratch_bytes(int qtype, int64_t M, int64_t K) {
+    return M * act_parts(qtype) * act_row_bytes(qtype, K) + 64;
+}
 
 typedef struct {
     const int8_t *q;
@@ -129,8 +142,9 @@ static ALWAYS_INLINE act_row act_at(const uint8_t *scratch, int64_t row_bytes, i
     return a;
 }
 
-/* One row x (fp32 or bf16) into its scratch row: blocks of `bs` (32 or 256) values. */
-static void quantize_row(const void *x, int dtype, int64_t K, int64_t bs, uint8_t *dst) {
+/* One row x (fp32 or bf16) into its scratch row: blocks of `bs` (32 or 256) values. With
+ * `minus` (a scratch row of the same x), what that row's int8 values leave of x: x - d * q. */
+static void quantize_row(const void *x, int dtype, int64_t K, int64_t bs, uint8_t *dst, const uint8_t *minus) {
     const int64_t blocks = K / bs;
     int8_t *q = (int8_t *)dst;
     float *d = (float *)(dst + K);
@@ -144,6 +158,13 @@ static void quantize_row(const void *x, int dtype, int64_t K, int64_t bs, uint8_
         for (int64_t e = 0; e < bs; e++) {
             const int64_t k = b * bs + e;
             v[e] = dtype == DTYPE_BFLOAT16 ? bf16_to_float(((const uint16_t *)x)[k]) : ((const float *)x)[k];
+            if (minus != NULL) {
+                /* the product rounded before the subtraction (no fused multiply-add), as the
+                 * portable build and the tests' reference compute it */
+                float taken = ((const float *)(minus + K))[b] * (float)((const int8_t *)minus)[k];
+                __asm__ volatile("" : "+m"(taken));
+                v[e] -= taken;
+            }
             const float a = fabsf(v[e]);
             amax = a > amax ? a : amax;
         }
@@ -187,6 +208,17 @@ static ALWAYS_INLINE void q4k_scale_min(int j, const uint8_t *q, int *sc, int *m
         *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
         *mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
     }
+}
+
+/* Q4_K's 8 scales (bytes 0..7) and mins (bytes 8..15) from the block's 12 bytes (llama.cpp's
+ * unpacking in four words, for the vector paths). */
+static ALWAYS_INLINE void q4k_unpack(const uint8_t *scales, uint32_t out[4]) {
+    uint32_t u[3];
+    memcpy(u, scales, 12);
+    out[0] = u[0] & 0x3f3f3f3fu;
+    out[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+    out[2] = u[1] & 0x3f3f3f3fu;
+    out[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
 }
 
 /* v as computed, hidden from the optimiser: -ffast-math may otherwise reassociate a block's
@@ -381,17 +413,6 @@ static ALWAYS_INLINE void tile_q32(const uint8_t *const *w, const act_row *x, in
         for (int j = 0; j < TILE_COLS; j++) out[i][j] = avx2_reduce_add(acc[i][j]);
 }
 
-/* Q4_K's 8 scales (bytes 0..7) and mins (bytes 8..15) from the block's 12 bytes (llama.cpp's
- * unpacking in four words). */
-static ALWAYS_INLINE void q4k_unpack(const uint8_t *scales, uint32_t out[4]) {
-    uint32_t u[3];
-    memcpy(u, scales, 12);
-    out[0] = u[0] & 0x3f3f3f3fu;
-    out[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
-    out[2] = u[1] & 0x3f3f3f3fu;
-    out[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
-}
-
 static ALWAYS_INLINE void tile_q4k(const uint8_t *const *w, const act_row *x, int64_t blocks, const int m,
                                    float out[TILE_ROWS][TILE_COLS]) {
     __m256 acc[TILE_ROWS][TILE_COLS];
@@ -584,15 +605,6 @@ static ALWAYS_INLINE __m512i spread_scales(__m512i v, int first, int per) {
     uint16_t idx[32];
     for (int l = 0; l < 32; l++) idx[l] = (uint16_t)(first + l / per);
     return _mm512_permutexvar_epi16(_mm512_loadu_si512(idx), v);
-}
-
-static ALWAYS_INLINE void q4k_unpack(const uint8_t *scales, uint32_t out[4]) {
-    uint32_t u[3];
-    memcpy(u, scales, 12);
-    out[0] = u[0] & 0x3f3f3f3fu;
-    out[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
-    out[2] = u[1] & 0x3f3f3f3fu;
-    out[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
 }
 
 static ALWAYS_INLINE void tile_q4k(const uint8_t *const *w, const act_row *x, int64_t blocks, const int m,
@@ -1309,7 +1321,7 @@ int quant_linear(const void *x, int64_t x_row_stride, int64_t M, int64_t K, cons
     if (!quant_linear_serves(qtype) || K % block_values(qtype) != 0) return 2;
     if (M <= 0 || N <= 0) return 0;
     const int64_t bs = block_values(qtype), blocks = K / bs, row_bytes = blocks * block_bytes(qtype);
-    const int64_t act_bytes = act_row_bytes(qtype, K);
+    const int64_t act_bytes = act_row_bytes(qtype, K), parts = act_parts(qtype), rows_q = M * parts;
     uint8_t *scratch = aligned_alloc(64, (size_t)quant_linear_scratch_bytes(qtype, M, K) / 64 * 64 + 64);
     if (scratch == NULL) return 1;
     if (num_threads <= 0) num_threads = omp_get_max_threads();
@@ -1321,30 +1333,36 @@ int quant_linear(const void *x, int64_t x_row_stride, int64_t M, int64_t K, cons
 #pragma omp parallel num_threads(num_threads) if (M * N * K >= (int64_t)1 << 18)
     {
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < M; r++)
-            quantize_row((const char *)x + r * x_row_stride * x_elem, x_dtype, K, bs, scratch + r * act_bytes);
-        /* implicit barrier: every row quantized */
+        for (int64_t r = 0; r < M; r++) {
+            const void *row = (const char *)x + r * x_row_stride * x_elem;
+            uint8_t *first = scratch + r * parts * act_bytes;
+            quantize_row(row, x_dtype, K, bs, first, NULL);
+            if (parts == 2) quantize_row(row, x_dtype, K, bs, first + act_bytes, first);
+        }
+        /* implicit barrier: every row quantized. Below, "rows" are scratch rows (rows_q of them);
+         * a row's parts are adjacent and the tiles' heights even, so they share a tile */
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < items; item++) {
             if (item < groups) {
                 const int64_t n0 = item * GROUP;
-                for (int64_t r0 = 0; r0 < M; r0 += GROUP_ROWS) {
-                    const int m = M - r0 < GROUP_ROWS ? (int)(M - r0) : GROUP_ROWS;
+                for (int64_t r0 = 0; r0 < rows_q; r0 += GROUP_ROWS) {
+                    const int m = rows_q - r0 < GROUP_ROWS ? (int)(rows_q - r0) : GROUP_ROWS;
                     act_row rows[GROUP_ROWS];
                     for (int i = 0; i < m; i++) rows[i] = act_at(scratch, act_bytes, K, blocks, r0 + i);
                     _Alignas(64) float sums[GROUP_ROWS][GROUP];
                     group_kernel(qtype, w + n0 * row_bytes, rows, blocks, m, sums);
-                    for (int i = 0; i < m; i++)
+                    for (int i = 0; i < m; i += (int)parts)
                         for (int j = 0; j < GROUP; j++) {
-                            const float v = bias != NULL ? sums[i][j] + bias[n0 + j] : sums[i][j];
-                            store_element(y, (r0 + i) * y_row_stride + n0 + j, v, y_dtype);
+                            float v = parts == 2 ? sums[i][j] + sums[i + 1][j] : sums[i][j];
+                            if (bias != NULL) v += bias[n0 + j];
+                            store_element(y, (r0 + i) / parts * y_row_stride + n0 + j, v, y_dtype);
                         }
                 }
                 continue;
             }
             const int64_t n0 = rest + (item - groups) * CHUNK, n1 = n0 + CHUNK < N ? n0 + CHUNK : N;
-            for (int64_t r0 = 0; r0 < M; r0 += TILE_ROWS) {
-                const int m = M - r0 < TILE_ROWS ? (int)(M - r0) : TILE_ROWS;
+            for (int64_t r0 = 0; r0 < rows_q; r0 += TILE_ROWS) {
+                const int m = rows_q - r0 < TILE_ROWS ? (int)(rows_q - r0) : TILE_ROWS;
                 act_row rows[TILE_ROWS];
                 for (int i = 0; i < m; i++) rows[i] = act_at(scratch, act_bytes, K, blocks, r0 + i);
                 for (int64_t c0 = n0; c0 < n1; c0 += TILE_COLS) {
@@ -1353,10 +1371,11 @@ int quant_linear(const void *x, int64_t x_row_stride, int64_t M, int64_t K, cons
                     for (int j = 0; j < TILE_COLS; j++) cols[j] = w + (c0 + j < N ? c0 + j : N - 1) * row_bytes;
                     float sums[TILE_ROWS][TILE_COLS];
                     tile(qtype, cols, rows, blocks, m, sums);
-                    for (int i = 0; i < m; i++)
+                    for (int i = 0; i < m; i += (int)parts)
                         for (int j = 0; j < TILE_COLS && c0 + j < n1; j++) {
-                            const float v = bias != NULL ? sums[i][j] + bias[c0 + j] : sums[i][j];
-                            store_element(y, (r0 + i) * y_row_stride + c0 + j, v, y_dtype);
+                            float v = parts == 2 ? sums[i][j] + sums[i + 1][j] : sums[i][j];
+                            if (bias != NULL) v += bias[c0 + j];
+                            store_element(y, (r0 + i) / parts * y_row_stride + c0 + j, v, y_dtype);
                         }
                 }
             }
