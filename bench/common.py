@@ -55,11 +55,15 @@ class ServerProcess:
         self.port = free_port(host)
         self.url = f"http://{host}:{self.port}"
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "radixserve", "serve", "--model", str(model), "--host", host,
-               "--port", str(self.port), *options]
+        cmd = self.command(model, host, self.port, options)
         self._log: IO[bytes] = open(log_path, "wb") if log_path else tempfile.TemporaryFile()  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                      env={**os.environ, **env} if env else None)
+
+    def command(self, model: Path | str, host: str, port: int, options: Sequence[str]) -> list[str]:
+        """The server's command line (another server, such as llama.cpp's, overrides it)."""
+        return [sys.executable, "-m", "radixserve", "serve", "--model", str(model), "--host", host,
+                "--port", str(port), *options]
 
     def log(self) -> str:
         """What the server has printed so far."""

@@ -18,6 +18,7 @@ import json
 import platform
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
@@ -43,14 +44,19 @@ def _prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
 
 
 class Ours:
-    def __init__(self, dtype: torch.dtype, page_size: int = 16) -> None:
-        loaded = load_model("default", dtype=dtype, quantization="none")  # transformers' weights, dequantized
+    """Our model runner driven step by step in process. By default the default model with
+    transformers' weights (dequantized: `quantization="none"`); `max_len`: tokens of a row."""
+
+    def __init__(self, dtype: torch.dtype, page_size: int = 16, model: str | Path = "default",
+                 quantization: str = "none", max_len: int = PREFILL_LEN + 64) -> None:
+        loaded = load_model(model, dtype=dtype, quantization=quantization)
+        self.weight_format = loaded.weight_format
         self.model, cfg = loaded.model, loaded.config
         self.vocab = cfg.vocab_size
         shape = self.model.attention_shape()
-        pages = 40 * (PREFILL_LEN + 64) // page_size
+        pages = 40 * max_len // page_size
         self.pool = KVPool(cfg.num_layers, pages, page_size, shape.num_kv_heads, shape.head_dim, dtype)
-        self.table = PageTable(64, -(-(PREFILL_LEN + 64) // page_size))
+        self.table = PageTable(64, -(-max_len // page_size))
         self.runner = ModelRunner(self.model, self.table, TorchNativeBackend(self.pool, shape))
         self.sampler = Sampler(cfg.vocab_size)
         self.page_size = page_size

@@ -503,6 +503,86 @@ def _gpu_runs(results: Path, first: dict[str, Any]) -> list[str]:
             _table(header, "ll" + "r" * len(runs), rows)]
 
 
+def render_quantized_weights(results: Path) -> str:
+    """bench/quantized_weights.py: quantized kernels vs llama.cpp and vs the dequantized bf16 path."""
+    d = _load(results, "quantized_weights.json")
+    rows, memory = [], []
+    for r in d["rows"]:
+        if r["workload"] == "memory":
+            m = r["resident_bytes"]
+            memory.append([r["type"], f"{m['file'] / 2**20:,.0f}", f"{m['gguf'] / 2**20:,.0f}", f"{m['none'] / 2**20:,.0f}"])
+            continue
+        ref = r["llama_cpp_tok_s"]
+        rows.append([r["type"], r["workload"], f"{r['radixserve_tok_s']:,.1f}", f"{r['dequantized_bf16_tok_s']:,.1f}",
+                     f"{ref:,.1f}" if ref else "not built", f"{r['vs_dequantized']:.2f}x",
+                     f"**{r['vs_llama_cpp']:.2f}x**" if r.get("vs_llama_cpp") else ""])
+    return "\n".join([
+        f"From `bench/results/quantized_weights.json`; {d['machine']}; date: {d['measured']}. Model: the "
+        f"`{d['preset']}` preset of bench/gguf_models.py (random weights, the default tokenizer); decode over a "
+        f"{d['context']}-token context, {d['decode_steps']} steps; prefill of one {d['prefill_len']}-token prompt; "
+        f"llama.cpp: `llama-batched-bench` at {d['llama_cpp'] or 'not built'}.",
+        "",
+        _table(["file", "workload", "radixserve tok/s", "dequantized bf16", "llama.cpp", "vs dequantized",
+                "vs llama.cpp"], "llrrrrr", rows),
+        "",
+        _table(["file", "file MiB", "resident, quantized", "resident, dequantized bf16"], "lrrr", memory),
+    ])
+
+
+def render_quant_linear(results: Path) -> str:
+    """bench/quant_linear.py, one column pair per ISA tier run (quant_linear*.json)."""
+    runs = [(p.name, _load(results, p.name)) for p in sorted(results.glob("quant_linear*.json"))]
+    keys = list(dict.fromkeys((r["in"], r["out"], r["rows"], r["layer"]) for _, d in runs for r in d["results"]))
+    header, rows = ["shape (in x out)", "M", "layer"], []
+    tiers = [d["machine"].split("run at ISA tier ")[1].split(",")[0] for _, d in runs]
+    for tier in tiers:
+        header += [f"{tier}: ms", f"{tier}: GB/s (M=1)", f"{tier}: vs bf16"]
+    for k, n, m, layer in keys:
+        row = [f"{k} x {n}", str(m), layer]
+        for _, d in runs:
+            r = next((r for r in d["results"] if (r["in"], r["out"], r["rows"], r["layer"]) == (k, n, m, layer)), None)
+            row += ["", "", ""] if r is None else [
+                f"{r['ms']:.3f}", f"{r['weight_gb_s']:.1f}" if r["weight_gb_s"] else "", f"{r['vs_bf16']:.2f}x"]
+        rows.append(row)
+    return "\n".join([
+        _source([name for name, _ in runs], runs[0][1]["machine"].split(", torch")[0], runs[0][1]["date"])
+        + f" {runs[0][1]['threads']} threads; ISA tiers run: {', '.join(tiers)}.",
+        "",
+        _table(header, "lrl" + "rrr" * len(runs), rows),
+    ])
+
+
+def render_llama_cpp_serving(results: Path) -> str:
+    """bench/suite.py with the llama.cpp system, on the default model: rounds, then medians."""
+    from bench.serving import load_results
+
+    rounds = [load_results(p) for p in sorted(results.glob("serving_llama_cpp_*.json"))]
+    meta = rounds[0][0]
+    cpu = next((m["cpu"] for m, _ in rounds if m.get("cpu")), None)
+    workloads = list(dict.fromkeys(r.workload for _, runs in rounds for r in runs))
+
+    def per_round(workload: str, system: str, key: str) -> list[float]:
+        return [r.metrics[key] for _, runs in rounds for r in runs if r.workload == workload and r.system == system]
+
+    rows = []
+    for w in workloads:
+        ours, theirs = per_round(w, "radixserve", "output_throughput"), per_round(w, "llama.cpp", "output_throughput")
+        ttft_ours, ttft_theirs = per_round(w, "radixserve", "mean_ttft_ms"), per_round(w, "llama.cpp", "mean_ttft_ms")
+        rows.append([f"`{w}`", _n(statistics.median(ours), 1), _n(statistics.median(theirs), 1),
+                     f"**{statistics.median(ours) / statistics.median(theirs):.2f}x**",
+                     ", ".join(f"{a / b:.2f}x" for a, b in zip(ours, theirs, strict=True)),
+                     _n(statistics.median(ttft_ours)), _n(statistics.median(ttft_theirs))])
+    return "\n".join([
+        _source([f"serving_llama_cpp_{i + 1}.json" for i in range(len(rounds))], cpu, meta.get("date"))
+        + f" Model `{meta.get('model')}`, one GGUF file for both (radixserve keeps it quantized, activations in "
+        f"{meta.get('dtype')}), "
+        f"concurrency {meta.get('concurrency')}, {len(rounds)} rounds, each radixserve then llama.cpp; medians.",
+        "",
+        _table(["workload", "radixserve out tok/s", "llama.cpp out tok/s", "ratio", "per round",
+                "radixserve mean TTFT ms", "llama.cpp mean TTFT ms"], "lrrrrrr", rows),
+    ])
+
+
 BLOCKS: tuple[Block, ...] = (
     Block("serving", render_serving),
     Block("model_runner", render_model_runner),
@@ -518,6 +598,9 @@ BLOCKS: tuple[Block, ...] = (
     Block("segment_reuse", render_segment_reuse),
     Block("kv_cache_dtype", render_kv_cache_dtype),
     Block("gpu", render_gpu),
+    Block("quantized_weights", render_quantized_weights),
+    Block("llama_cpp_serving", render_llama_cpp_serving),
+    Block("quant_linear", render_quant_linear),
 )
 
 

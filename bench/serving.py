@@ -288,8 +288,11 @@ class Progress:
 
 async def run_workload(url: str, workload: Workload, *, api: str = "generate", concurrency: int | None = 16,
                        rate: float | None = None, seed: int = 0, system: str = "", model: str | None = None,
-                       progress: bool = True) -> RunResult:
-    """Send every request of `workload` (respecting its dependencies) and collect the records."""
+                       progress: bool = True, keepalive: bool = True) -> RunResult:
+    """Send every request of `workload` (respecting its dependencies) and collect the records.
+    `keepalive` False opens a connection per request: for servers that close a kept-alive
+    connection after some number of requests (llama-server's HTTP library), where a request
+    sent on it at that moment fails with "Server disconnected without sending a response"."""
     if api not in APIS:
         raise ValueError(f"api must be one of {APIS}, not {api!r}")
     if not concurrency and not rate:
@@ -298,7 +301,7 @@ async def run_workload(url: str, workload: Workload, *, api: str = "generate", c
     records: list[RequestRecord] = []
     bar = Progress(workload.num_requests, f"{workload.name} on {system or url}", progress)
     rng = random.Random(seed)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=concurrency or 64)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=(concurrency or 64) if keepalive else 0)
     async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
         t0 = time.perf_counter()
 

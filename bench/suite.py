@@ -1,14 +1,18 @@
 """The default serving suite (`make bench`): every workload on radixserve with the prefix cache
-on and off, and the Hugging Face transformers baselines, in one run, on one model and dtype;
-then the report (Markdown table, targets, PNG plots) under bench/results/.
+on and off, llama.cpp's server on the same GGUF file (where a build is found and the model is a
+GGUF; a line says when it is skipped), and the Hugging Face transformers baselines, in one run,
+on one model and dtype; then the report (Markdown table, targets, PNG plots) under bench/results/.
 
     python -m bench.suite                                  # the default suite (~15 min on 2 CPU cores)
     python -m bench.suite --workload rag --size docs=2     # a part of it
     python -m bench.suite --model /path/to/hf-folder --dtype float32 --quick   # a smoke run
 
 Each radixserve system is one server process (started, warmed up, stopped after its workloads);
-its prefix cache is flushed before every workload so no workload helps the next. The transformers
-baselines run in this process once the servers are gone, so nothing else competes for the CPU.
+its prefix cache is flushed before every workload so no workload helps the next. llama.cpp
+(bench/llama_cpp.py: 2 threads, 8 slots, continuous batching, flash attention) gets the same
+requests through its OpenAI API, after radixserve's servers have stopped; it has no flush, so
+its slots keep what earlier workloads left them. The transformers baselines run in this process
+once the servers are gone, so nothing else competes for the CPU.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench import common
+from bench import common, llama_cpp
+from bench.model_runner import machine
 from bench.serving import (
     RunResult,
     load_tokenizer,
@@ -33,6 +38,7 @@ from bench.serving import (
     write_results,
 )
 from bench.workloads import WORKLOADS, Workload, build
+from radixserve.models.resolve import gguf_file
 
 # Each workload's sizes as (the default suite's, a smoke test's): the default sized so the whole
 # suite fits ~15 minutes on 2 CPU cores with SmolLM2-135M in bf16, the smoke test (--quick) a
@@ -94,6 +100,34 @@ def run_servers(args: argparse.Namespace, workloads: list[Workload], timings: di
     return runs
 
 
+def run_llama_cpp(args: argparse.Namespace, workloads: list[Workload], timings: dict[str, float]) -> list[RunResult]:
+    """The llama.cpp system, or a line saying why it is skipped (no build, or no GGUF to serve)."""
+    folder, gguf = llama_cpp.bin_dir(), gguf_file(args.model)
+    if folder is None or gguf is None:
+        why = llama_cpp.skip_line() if folder is None else f"llama.cpp: skipped, {args.model} is not a GGUF file"
+        print(why, file=sys.stderr)
+        timings[why] = 0.0
+        return []
+    runs = []
+    start = time.perf_counter()
+    log = Path(tempfile.mkdtemp(prefix="radixserve-bench-")) / "llama.cpp.log"
+    server = llama_cpp.LlamaServer(folder, gguf, log_path=log)
+    try:
+        server.wait_healthy(300)
+        server.warm_up()
+        timings["llama.cpp: start-up"] = time.perf_counter() - start
+        for w in workloads:
+            t = time.perf_counter()
+            runs.append(asyncio.run(run_workload(server.url, w, api="openai", concurrency=args.concurrency,
+                                                 system="llama.cpp", progress=not args.no_progress, keepalive=False)))
+            timings[f"llama.cpp: {w.name}"] = time.perf_counter() - t
+            _say(runs[-1])
+    finally:
+        server.stop()
+    print(f"llama.cpp log: {log}", file=sys.stderr)
+    return runs
+
+
 def run_transformers(args: argparse.Namespace, workloads: list[Workload], timings: dict[str, float]) -> list[RunResult]:
     from bench.baselines import HFBaseline
 
@@ -135,7 +169,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--size", action="append", default=[], help="override a workload size, KEY=VALUE (repeatable)")
     parser.add_argument("--quick", action="store_true", help="a handful of requests per workload (smoke test)")
     common.add_load(parser)
-    parser.add_argument("--systems", nargs="*", choices=list(SERVERS), help="radixserve systems (default: all)")
+    parser.add_argument("--systems", nargs="*", choices=[*SERVERS, "llama.cpp"],
+                        help="servers to run (default: all; llama.cpp where a build is found)")
     common.add_server_arg(parser, help="more `serve` options for every server")
     parser.add_argument("--hf", nargs="*", default=["one", "static", "continuous"],
                         choices=["one", "static", "continuous"], help="transformers baselines to run")
@@ -156,6 +191,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(w.describe(), file=sys.stderr)
     timings: dict[str, float] = {}
     runs = run_servers(args, workloads, timings)
+    if not args.systems or "llama.cpp" in args.systems:
+        runs += run_llama_cpp(args, workloads, timings)
     if args.hf:
         runs += run_transformers(args, workloads, timings)
     timings["total"] = time.perf_counter() - started
@@ -164,7 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     meta = {
         "model": args.model, "dtype": args.dtype, "concurrency": args.concurrency, "seed": args.seed,
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.machine(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.machine(), "cpu": machine(),
         "cpus": _cpus(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
         "argv": list(sys.argv[1:] if argv is None else argv), "timings_s": timings,
     }

@@ -1,8 +1,11 @@
 """A Q4_K_M GGUF served over HTTP with its blocks kept quantized (the default
 `--quantization gguf`): /server_info names the weight format, greedy output is the in-process
-quantized model's token for token (first request and cache hit), and pages balance."""
+quantized model's token for token (first request and cache hit), n > 1 and a JSON schema run as
+on dequantized weights, and pages balance."""
 
 from __future__ import annotations
+
+import json
 
 import httpx
 import pytest
@@ -47,4 +50,22 @@ def test_a_q4_k_m_file_is_served_quantized(server, q4_k_m):
             assert r.status_code == 200, r.text
             assert r.json()["meta_info"]["cached_tokens"] == cached
             assert r.json()["output_ids"] == greedy(model, chunks, NEW_TOKENS, page_size=4, num_pages=128)
+    assert_pages_balanced(server.wait_idle())
+
+
+def test_n_samples_and_a_json_schema_on_quantized_weights(server, q4_k_m):
+    """n > 1 and structured output run unchanged over the quantized layers: two greedy samples
+    are the in-process greedy tokens, and a schema-constrained answer parses and validates."""
+    model = load_model(q4_k_m, torch.float32).model
+    params = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True, "n": 2}
+    schema = {"type": "object", "properties": {"n": {"enum": [1, 2]}}, "required": ["n"], "additionalProperties": False}
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        r = client.post("/generate", json={"input_ids": SHORT, "sampling_params": params})
+        assert r.status_code == 200, r.text
+        want = greedy(model, [SHORT], NEW_TOKENS, page_size=4, num_pages=128)
+        assert [sample["output_ids"] for sample in r.json()] == [want, want]
+        constrained = {"temperature": 0.0, "max_new_tokens": 32, "json_schema": json.dumps(schema)}
+        r = client.post("/generate", json={"input_ids": SHORT, "sampling_params": constrained})
+        assert r.status_code == 200, r.text
+        assert json.loads(r.json()["text"])["n"] in (1, 2)
     assert_pages_balanced(server.wait_idle())
