@@ -123,8 +123,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.quant_linear.restype = cint
     lib.quant_linear_serves.argtypes = [cint]
     lib.quant_linear_serves.restype = cint
-    lib.quant_linear_scratch_bytes.argtypes = [cint, i64, i64]
-    lib.quant_linear_scratch_bytes.restype = i64
     lib.quant_pack.argtypes = [ptr, i64, i64, cint, ptr, cint, cint]
     lib.quant_pack.restype = cint
     lib.quant_dequantize.argtypes = [ptr, i64, i64, cint, cint, ptr, i64, ptr, i64, cint, cint]

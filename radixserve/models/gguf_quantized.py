@@ -155,7 +155,6 @@ class QuantizedLoad:
     modules: dict[str, nn.Module]  # our module path -> its quantized replacement
     types: dict[str, int]  # GGUF type name -> how many tensors are served quantized
     dequantized: dict[str, list[str]]  # GGUF type name -> the tensors left to the dequantized path
-    file_tensor_bytes: int  # every tensor of the file, as stored
 
     @property
     def weight_format(self) -> str:
@@ -179,9 +178,6 @@ class _GGUFFile:
         self.tensors = {t.name: t for t in self.reader.tensors}
         field = self.reader.fields.get("general.architecture")
         self.architecture = bytes(field.parts[field.data[0]]).decode() if field else ""
-
-    def tensor_bytes(self) -> int:
-        return sum(int(t.n_bytes) for t in self.reader.tensors)
 
     def blocks(self, name: str, rows: int, cols: int, permute_heads: int | None = None) -> tuple[QuantType, np.ndarray] | None:
         """The tensor `name` as its type and a copy of its blocks [rows, bytes a row], or None if
@@ -221,7 +217,7 @@ def quantize_from_gguf(model: nn.Module, config: ModelConfig, gguf_path: Path, d
                  "ffn_gate": c.intermediate_size, "ffn_up": c.intermediate_size, "ffn_down": c.hidden_size}
     in_sizes = {"attn_output": c.num_heads * c.head_dim, "ffn_down": c.intermediate_size}
     heads = {"attn_q": c.num_heads, "attn_k": c.num_kv_heads} if permute else {}
-    load = QuantizedLoad({}, {}, {}, f.tensor_bytes())
+    load = QuantizedLoad({}, {}, {})
 
     def served(names: list[str], rows: list[int], cols: int, permute_heads: list[int | None]) -> list[QuantizedPart] | None:
         """The tensors `names` (one layer's parts) as runs of one type each, packed; None if a

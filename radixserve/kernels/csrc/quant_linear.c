@@ -117,7 +117,7 @@ static int64_t act_row_bytes(int qtype, int64_t K) {
  * left (see "Q8_0's activations" above). */
 static int64_t act_parts(int qtype) { return qtype == QT_Q8_0 ? 2 : 1; }
 
-int64_t quant_linear_scratch_bytes(int qtype, int64_t M, int64_t K) {
+static int64_t scratch_bytes(int qtype, int64_t M, int64_t K) {
     return M * act_parts(qtype) * act_row_bytes(qtype, K) + 64;
 }
 
@@ -1322,7 +1322,7 @@ int quant_linear(const void *x, int64_t x_row_stride, int64_t M, int64_t K, cons
     if (M <= 0 || N <= 0) return 0;
     const int64_t bs = block_values(qtype), blocks = K / bs, row_bytes = blocks * block_bytes(qtype);
     const int64_t act_bytes = act_row_bytes(qtype, K), parts = act_parts(qtype), rows_q = M * parts;
-    uint8_t *scratch = aligned_alloc(64, (size_t)quant_linear_scratch_bytes(qtype, M, K) / 64 * 64 + 64);
+    uint8_t *scratch = aligned_alloc(64, (size_t)scratch_bytes(qtype, M, K) / 64 * 64 + 64);
     if (scratch == NULL) return 1;
     if (num_threads <= 0) num_threads = omp_get_max_threads();
     const int64_t x_elem = element_size(x_dtype);
