@@ -6,17 +6,16 @@
   transformers wrote, bit for bit (so the names, the fused layers' order and llama.cpp's q/k row
   permutation are right).
 - Resident weight bytes stay within 1.1x of the file's tensor bytes.
-- Greedy output over 32 tokens on chat prompts, and the logits of one prompt, against the
-  dequantized model's, for the default file and for the default model's weights requantized to
-  Q8_0, Q4_0 and Q4_K_M (bench/gguf_models.py). Q8_0's tokens are the dequantized model's exactly:
-  its activations are quantized twice (the row and its rounding residual: about 16-bit). The 4-bit
-  formats run llama.cpp's arithmetic, int8 activations in blocks, which moves a layer's output
-  by up to about 1% (the small model's outlier channels share blocks with the rest) and the
-  logits by a few percent; a near-tie then flips, and after the first difference the two texts
-  go their own ways. Measured, Intel Xeon AMX, 2026-12-05: logits relative error Q8_0 1.1e-4,
-  Q4_1 0.038, Q4_0 0.077, Q4_K_M 0.051 (bounds: LOGITS_ERROR); share of tokens before each
-  prompt's first difference Q8_0 1.0, Q4_1 0.75, Q4_0 0.73, Q4_K_M 0.59 (bounds:
-  GREEDY_AGREEMENT).
+- Each format's answers against the dequantized model's greedy answers, 32 tokens to each of 8
+  chat prompts, for the default file and for the default model's weights requantized to Q8_0,
+  Q4_0 and Q4_K_M (bench/gguf_models.py), read teacher-forced: the share of answer positions
+  whose top token is the answer's, and the logits' relative error there. Q8_0 agrees at every
+  position and free-running too: its activations are quantized twice (the row and its rounding
+  residual: about 16-bit). The 4-bit formats run llama.cpp's arithmetic, int8 activations in
+  blocks, which moves a layer's output by up to about 1% (the small model's outlier channels
+  share blocks with the rest) and the logits by a few percent, so a near-tie flips now and
+  then. The measured figures, per ISA tier, are in docs/models.md (bounds: TOP_TOKEN_AGREEMENT,
+  LOGITS_ERROR).
 """
 
 from __future__ import annotations
@@ -44,12 +43,14 @@ QUESTIONS = [
     "Write a haiku about the sea.",
     "Explain what a radix tree is in two sentences.",
     "List three prime numbers greater than 50.",
+    "How do I reverse a list in Python?",
+    "Give me a recipe for pancakes.",
+    "Why is the sky blue?",
+    "Translate 'good morning' into Spanish and German.",
 ]
 NEW_TOKENS = 32
-# share of the 4 x 32 greedy tokens equal to the dequantized model's, position by position,
-# each prompt compared up to its first difference and counted as lost after it
-GREEDY_AGREEMENT = {"Q4_1": 0.6, "Q4_0": 0.6, "Q4_K_M": 0.45}  # Q8_0: every token
-LOGITS_ERROR = {"Q8_0": 1e-3, "Q4_1": 0.08, "Q4_0": 0.15, "Q4_K_M": 0.1}
+TOP_TOKEN_AGREEMENT = {"Q8_0": 1.0, "Q4_1": 0.9, "Q4_0": 0.9, "Q4_K_M": 0.9}
+LOGITS_ERROR = {"Q8_0": 1e-3, "Q4_1": 0.06, "Q4_0": 0.06, "Q4_K_M": 0.06}
 # what load_model reports for each requantized file: the default model's 576-column rows are not
 # whole K-quant super-blocks, so its Q4_K_M file has Q5_0 (dequantized at load: no kernel) and
 # Q8_0 where llama-quantize falls back, and Q4_K / Q6_K only in ffn_down
@@ -95,8 +96,9 @@ def test_resident_weights_are_the_files_size(quantized) -> None:
     assert resident <= 1.1 * file_bytes, f"{resident / 2**20:.1f} MiB resident, the file's tensors {file_bytes / 2**20:.1f} MiB"
 
 
-def _agreement(quantized, dequantized, label: str) -> float:
-    """Share of the greedy tokens equal to the dequantized model's, over QUESTIONS."""
+def _free_running_agreement(quantized, dequantized, label: str) -> float:
+    """Share of the greedy tokens equal to the dequantized model's, over QUESTIONS, each answer
+    counted up to its first difference (after it the two texts go their own ways)."""
     tok = load_tokenizer(dequantized.path)
     agreed = 0
     for question in QUESTIONS:
@@ -105,32 +107,43 @@ def _agreement(quantized, dequantized, label: str) -> float:
         same = next((i for i, (a, b) in enumerate(zip(ours, ref, strict=True)) if a != b), NEW_TOKENS)
         agreed += same
         print(f"{label} {question!r}: {same}/{NEW_TOKENS} equal; {tok.decode(ours)!r}")
-    share = agreed / (NEW_TOKENS * len(QUESTIONS))
-    print(f"{label}: greedy agreement with the dequantized model {share:.3f}")
-    return share
+    return agreed / (NEW_TOKENS * len(QUESTIONS))
 
 
-def _logits_error(quantized, dequantized) -> float:
-    """Relative error (Frobenius) of the last-position logits after the first question's prompt
-    (one forward: fewer rows than WIDEN_ROWS, so the quantized kernels throughout)."""
+def _teacher_forced(quantized, dequantized, label: str) -> tuple[float, float]:
+    """The dequantized model's greedy answer to each of QUESTIONS, read by both models in one
+    forward over prompt + answer: the share of answer positions where the quantized model's top
+    token is the answer's, and the logits' relative error (Frobenius) over those positions.
+    Free-running output is no measure for the 4-bit formats: their int8 activations round
+    differently after any fp32 difference upstream (another ISA tier's rms_norm, say), so the
+    first near-tie that flips, and with it the count, moves from tier to tier. Rows alone and
+    in a batch are bit-identical (test_quant_linear.py), so this is what decoding computes;
+    a prompt and its answer stay under WIDEN_ROWS rows, so the quantized kernels throughout."""
     tok = load_tokenizer(dequantized.path)
-    prompt = apply_chat_template(tok, [{"role": "user", "content": QUESTIONS[0]}])
-    ours, ref = [], []
-    for m, out in ((quantized, ours), (dequantized, ref)):
-        run = PagedRun(m.model, num_pages=16)
-        out.append(run.forward({run.add_request(): prompt})[0][-1].double())
-    return float((ours[0] - ref[0]).norm() / ref[0].norm())
+    agreed = total = 0
+    error, norm = 0.0, 0.0
+    for question in QUESTIONS:
+        prompt = apply_chat_template(tok, [{"role": "user", "content": question}])
+        answer = greedy(dequantized.model, [prompt], NEW_TOKENS, num_pages=16)
+        logits = []
+        for m in (quantized, dequantized):
+            run = PagedRun(m.model, num_pages=16)
+            logits.append(run.forward({run.add_request(): prompt + answer[:-1]})[0][len(prompt) - 1:].double())
+        ours, ref = logits
+        same = int((ours.argmax(-1) == torch.tensor(answer)).sum())
+        agreed, total = agreed + same, total + len(answer)
+        error, norm = error + float((ours - ref).norm() ** 2), norm + float(ref.norm() ** 2)
+        print(f"{label} {question!r}: {same}/{len(answer)} top tokens agree")
+    return agreed / total, (error / norm) ** 0.5
 
 
 def _check_format(quantized, dequantized, file_type: str) -> None:
-    error = _logits_error(quantized, dequantized)
-    print(f"{file_type}: logits relative error {error:.2e}")
+    share, error = _teacher_forced(quantized, dequantized, file_type)
+    print(f"{file_type}: top-token agreement {share:.3f}, logits relative error {error:.2e}")
     assert error <= LOGITS_ERROR[file_type]
-    share = _agreement(quantized, dequantized, file_type)
-    if file_type == "Q8_0":
-        assert share == 1.0  # exactly: every token of every prompt
-    else:
-        assert share >= GREEDY_AGREEMENT[file_type]
+    assert share >= TOP_TOKEN_AGREEMENT[file_type]
+    if file_type == "Q8_0":  # free-running too: every token of every answer
+        assert _free_running_agreement(quantized, dequantized, file_type) == 1.0
 
 
 def test_greedy_agrees_with_the_dequantized_model(quantized, dequantized) -> None:
