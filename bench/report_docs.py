@@ -504,8 +504,13 @@ def _gpu_runs(results: Path, first: dict[str, Any]) -> list[str]:
 
 
 def render_quantized_weights(results: Path) -> str:
-    """bench/quantized_weights.py: quantized kernels vs llama.cpp and vs the dequantized bf16 path."""
-    d = _load(results, "quantized_weights.json")
+    """bench/quantized_weights.py: quantized kernels vs llama.cpp and vs the dequantized bf16 path;
+    one section per results file (quantized_weights*.json: a file a machine)."""
+    return "\n\n".join(_quantized_weights_run(p.name, _load(results, p.name))
+                        for p in sorted(results.glob("quantized_weights*.json")))
+
+
+def _quantized_weights_run(name: str, d: dict[str, Any]) -> str:
     rows, memory = [], []
     for r in d["rows"]:
         if r["workload"] == "memory":
@@ -517,7 +522,7 @@ def render_quantized_weights(results: Path) -> str:
                      f"{ref:,.1f}" if ref else "not built", f"{r['vs_dequantized']:.2f}x",
                      f"**{r['vs_llama_cpp']:.2f}x**" if r.get("vs_llama_cpp") else ""])
     return "\n".join([
-        f"From `bench/results/quantized_weights.json`; {d['machine']}; date: {d['measured']}. Model: the "
+        f"From `bench/results/{name}`; {d['machine']}; date: {d['measured']}. Model: the "
         f"`{d['preset']}` preset of bench/gguf_models.py (random weights, the default tokenizer); decode over a "
         f"{d['context']}-token context, {d['decode_steps']} steps; prefill of one {d['prefill_len']}-token prompt; "
         f"llama.cpp: `llama-batched-bench` at {d['llama_cpp'] or 'not built'}.",
@@ -553,10 +558,18 @@ def render_quant_linear(results: Path) -> str:
 
 
 def render_llama_cpp_serving(results: Path) -> str:
-    """bench/suite.py with the llama.cpp system, on the default model: rounds, then medians."""
+    """bench/suite.py with the llama.cpp system, on the default model: rounds, then medians; one
+    table per machine (serving_llama_cpp_<i>.json, serving_llama_cpp_<machine>_<i>.json)."""
+    runs: dict[str, list[Path]] = {}
+    for path in sorted(results.glob("serving_llama_cpp_*.json")):
+        runs.setdefault(path.stem.rsplit("_", 1)[0], []).append(path)
+    return "\n\n".join(_llama_cpp_serving_rounds(paths) for paths in runs.values())
+
+
+def _llama_cpp_serving_rounds(paths: list[Path]) -> str:
     from bench.serving import load_results
 
-    rounds = [load_results(p) for p in sorted(results.glob("serving_llama_cpp_*.json"))]
+    rounds = [load_results(p) for p in paths]
     meta = rounds[0][0]
     cpu = next((m["cpu"] for m, _ in rounds if m.get("cpu")), None)
     workloads = list(dict.fromkeys(r.workload for _, runs in rounds for r in runs))
@@ -573,7 +586,7 @@ def render_llama_cpp_serving(results: Path) -> str:
                      ", ".join(f"{a / b:.2f}x" for a, b in zip(ours, theirs, strict=True)),
                      _n(statistics.median(ttft_ours)), _n(statistics.median(ttft_theirs))])
     return "\n".join([
-        _source([f"serving_llama_cpp_{i + 1}.json" for i in range(len(rounds))], cpu, meta.get("date"))
+        _source([p.name for p in paths], cpu, meta.get("date"))
         + f" Model `{meta.get('model')}`, one GGUF file for both (radixserve keeps it quantized, activations in "
         f"{meta.get('dtype')}), "
         f"concurrency {meta.get('concurrency')}, {len(rounds)} rounds, each radixserve then llama.cpp; medians.",

@@ -1196,21 +1196,12 @@ UNROLL(8)
         }
 }
 
-/* One row's contribution of one group block: acc updated. `w` gives the chunks: decoded from
- * the group block (decoded 0) or read from a buffer of decoded chunks (decoded 1). */
+/* One row's contribution of one K-quant group block: acc updated. `w` gives the chunks: decoded
+ * from the group block (decoded 0) or read from a buffer of decoded chunks (decoded 1). */
 static ALWAYS_INLINE F row_block(const uint8_t *w, const int decoded, const group_head *h, const act_row *x,
                                  int64_t b, const int QT, F acc) {
 #define CHUNK_AT(c) (decoded ? v_load(w + 64 * (c)) : chunk_of(w, QT, (c)))
     const F dx = f_set1(x->d[b]);
-    if (QT == QT_Q4_0 || QT == QT_Q4_1 || QT == QT_Q8_0) {
-        const int8_t *xq = x->q + 32 * b;
-        V dot = QT == QT_Q4_0 ? v_i32(-8 * x->isum[b]) : QT == QT_Q8_0 ? v_i32(-Q8_BIAS * x->isum[b]) : v_i32(0);
-UNROLL(8)
-        for (int c = 0; c < 8; c++) dot = QT == QT_Q8_0 ? v_dot_q8(dot, CHUNK_AT(c), xq + 4 * c) : v_dot(dot, CHUNK_AT(c), xq + 4 * c);
-        acc = f_fma(f_mul(h->d, dx), f_cvt(dot), acc);
-        if (QT == QT_Q4_1) acc = f_fma(h->m, f_set1(x->s[b]), acc);
-        return acc;
-    }
     const int8_t *xq = x->q + 256 * b;
     V dot = v_i32(0);
     if (QT == QT_Q4_K) {
@@ -1240,10 +1231,58 @@ UNROLL(4)
 #undef CHUNK_AT
 }
 
+/* One row's contribution of one 32-value group block (Q4_0, Q4_1, Q8_0), its 8 chunks decoded:
+ * acc updated. */
+static ALWAYS_INLINE F q32_block(const V chunk[8], const group_head *h, const act_row *x, int64_t b, const int QT,
+                                 F acc) {
+    const int8_t *xq = x->q + 32 * b;
+    V dot = QT == QT_Q4_0 ? v_i32(-8 * x->isum[b]) : QT == QT_Q8_0 ? v_i32(-Q8_BIAS * x->isum[b]) : v_i32(0);
+UNROLL(8)
+    for (int c = 0; c < 8; c++) dot = QT == QT_Q8_0 ? v_dot_q8(dot, chunk[c], xq + 4 * c) : v_dot(dot, chunk[c], xq + 4 * c);
+    acc = f_fma(f_mul(h->d, f_set1(x->d[b])), f_cvt(dot), acc);
+    if (QT == QT_Q4_1) acc = f_fma(h->m, f_set1(x->s[b]), acc);
+    return acc;
+}
+
+/* M rows (1..4) of one group of a 32-value format, their sums kept in registers across the
+ * blocks, each block's chunks decoded once for all of them. (Summing in memory, as the K-quants
+ * below do, would store and reload every row's sums at each block of only 8 dot products: that
+ * round trip, not the arithmetic, would set the pace; a decode row of Q8_0 is two such rows.) */
+static ALWAYS_INLINE void group_rows_q32(const uint8_t *g, const act_row *x, int64_t blocks, const int M,
+                                         const int QT, float out[][GROUP]) {
+    const int64_t gb = GROUP * block_bytes(QT);
+    F acc[4];
+UNROLL(4)
+    for (int i = 0; i < M; i++) acc[i] = f_zero();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *blk = g + b * gb;
+        group_head h;
+        head_of(blk, QT, &h);
+        V chunk[8];
+UNROLL(8)
+        for (int c = 0; c < 8; c++) chunk[c] = chunk_of(blk, QT, c);
+UNROLL(4)
+        for (int i = 0; i < M; i++) acc[i] = q32_block(chunk, &h, x + i, b, QT, acc[i]);
+    }
+UNROLL(4)
+    for (int i = 0; i < M; i++) f_store(out[i], acc[i]);
+}
+
 /* m rows (1..GROUP_ROWS) of one group: out[i][j] = row i's sum for column j. */
 #define GROUP_ROWS 16
 static ALWAYS_INLINE void group_rows(const uint8_t *g, const act_row *x, int64_t blocks, int m, const int QT,
                                      float out[GROUP_ROWS][GROUP]) {
+    if (QT == QT_Q4_0 || QT == QT_Q4_1 || QT == QT_Q8_0) {
+        for (int r0 = 0; r0 < m; r0 += 4) {
+            switch (m - r0 < 4 ? m - r0 : 4) {
+            case 1: group_rows_q32(g, x + r0, blocks, 1, QT, out + r0); break;
+            case 2: group_rows_q32(g, x + r0, blocks, 2, QT, out + r0); break;
+            case 3: group_rows_q32(g, x + r0, blocks, 3, QT, out + r0); break;
+            default: group_rows_q32(g, x + r0, blocks, 4, QT, out + r0); break;
+            }
+        }
+        return;
+    }
     const int64_t gb = GROUP * block_bytes(QT);
     const int chunks = block_values(QT) / 4;
     group_head h;
