@@ -47,12 +47,13 @@
  * vector type each tier defines (one zmm; two ymm; 16 scalar lanes).
  *
  * Work: the groups (or, in the file's layout, chunks of CHUNK columns) spread over the threads,
- * each thread streaming a contiguous run of weight rows, once at decode. A group's rows are done
- * up to GROUP_ROWS at a time, its blocks decoded once for all of them; a file-layout chunk in
- * tiles of up to TILE_ROWS rows by TILE_COLS columns. A row's outputs are computed by the same
- * operations in the same order whatever M, the tile it falls in and the thread count: a row
- * alone gives bit-identical results to the same row in a batch. `quant_dequantize` gives the
- * weight itself (either layout), fp32 or bf16, for callers that widen it for a dense matmul.
+ * each thread streaming a contiguous run of weight rows, once at decode. A group's activation
+ * rows are done four at a time, their sums in registers, each block's weights decoded once for
+ * the four; a file-layout chunk in tiles of up to TILE_ROWS rows by TILE_COLS columns. A row's
+ * outputs are computed by the same operations in the same order whatever M, the tile it falls
+ * in and the thread count: a row alone gives bit-identical results to the same row in a batch.
+ * `quant_dequantize` gives the weight itself (either layout), fp32 or bf16, for callers that
+ * widen it for a dense matmul.
  *
  *   x [M, K] (rows x_row_stride elements apart), fp32 or bf16; bias [N] fp32 or NULL;
  *   y [M, N] (rows y_row_stride elements apart), fp32 or bf16 (rounded to nearest even once,
@@ -951,7 +952,6 @@ int quant_dequantize(const uint8_t *w, int64_t N, int64_t K, int qtype, int inte
 typedef __m512i V;
 typedef __m512 F;
 static ALWAYS_INLINE V v_load(const void *p) { return _mm512_loadu_si512(p); }
-static ALWAYS_INLINE void v_store(void *p, V v) { _mm512_storeu_si512(p, v); }
 static ALWAYS_INLINE V v_and(V a, V b) { return _mm512_and_si512(a, b); }
 static ALWAYS_INLINE V v_or(V a, V b) { return _mm512_or_si512(a, b); }
 static ALWAYS_INLINE V v_srl(V a, const unsigned n) { return _mm512_srli_epi32(a, n); }
@@ -1007,7 +1007,6 @@ static ALWAYS_INLINE F f_mul(F a, F b) {
 }
 static ALWAYS_INLINE F f_fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
 static ALWAYS_INLINE F f_fnma(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
-static ALWAYS_INLINE F f_load(const float *p) { return _mm512_loadu_ps(p); }
 static ALWAYS_INLINE void f_store(float *p, F v) { _mm512_storeu_ps(p, v); }
 #elif defined(QL_AVX2)
 typedef struct { __m256i a, b; } V;
@@ -1016,10 +1015,6 @@ typedef struct { __m256 a, b; } F;
 #define F2(expr_a, expr_b) ((F){(expr_a), (expr_b)})
 static ALWAYS_INLINE V v_load(const void *p) {
     return V2(_mm256_loadu_si256((const __m256i *)p), _mm256_loadu_si256((const __m256i *)((const char *)p + 32)));
-}
-static ALWAYS_INLINE void v_store(void *p, V v) {
-    _mm256_storeu_si256((__m256i *)p, v.a);
-    _mm256_storeu_si256((__m256i *)((char *)p + 32), v.b);
 }
 static ALWAYS_INLINE V v_and(V x, V y) { return V2(_mm256_and_si256(x.a, y.a), _mm256_and_si256(x.b, y.b)); }
 static ALWAYS_INLINE V v_or(V x, V y) { return V2(_mm256_or_si256(x.a, y.a), _mm256_or_si256(x.b, y.b)); }
@@ -1071,7 +1066,6 @@ static ALWAYS_INLINE F f_mul(F x, F y) {
 }
 static ALWAYS_INLINE F f_fma(F x, F y, F z) { return F2(_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)); }
 static ALWAYS_INLINE F f_fnma(F x, F y, F z) { return F2(_mm256_fnmadd_ps(x.a, y.a, z.a), _mm256_fnmadd_ps(x.b, y.b, z.b)); }
-static ALWAYS_INLINE F f_load(const float *p) { return F2(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)); }
 static ALWAYS_INLINE void f_store(float *p, F v) {
     _mm256_storeu_ps(p, v.a);
     _mm256_storeu_ps(p + 8, v.b);
@@ -1088,7 +1082,6 @@ static ALWAYS_INLINE V v_load(const void *p) {
     memcpy(r.l, p, 64);
     return r;
 }
-static ALWAYS_INLINE void v_store(void *p, V v) { memcpy(p, v.l, 64); }
 static ALWAYS_INLINE V v_and(V x, V y) { V_MAP(x.l[j] & y.l[j]); }
 static ALWAYS_INLINE V v_or(V x, V y) { V_MAP(x.l[j] | y.l[j]); }
 static ALWAYS_INLINE V v_srl(V x, const int n) { V_MAP(x.l[j] >> n); }
@@ -1129,7 +1122,6 @@ static ALWAYS_INLINE F f_zero(void) { F_MAP(0.0f); }
 static ALWAYS_INLINE F f_mul(F x, F y) { F_MAP(x.l[j] * y.l[j]); }
 static ALWAYS_INLINE F f_fma(F x, F y, F z) { F_MAP(fmaf(x.l[j], y.l[j], z.l[j])); }
 static ALWAYS_INLINE F f_fnma(F x, F y, F z) { F_MAP(fmaf(-x.l[j], y.l[j], z.l[j])); }
-static ALWAYS_INLINE F f_load(const float *p) { F_MAP(p[j]); }
 static ALWAYS_INLINE void f_store(float *p, F v) { memcpy(p, v.l, 64); }
 #undef F_MAP
 #endif
@@ -1196,39 +1188,44 @@ UNROLL(8)
         }
 }
 
-/* One row's contribution of one K-quant group block: acc updated. `w` gives the chunks: decoded
- * from the group block (decoded 0) or read from a buffer of decoded chunks (decoded 1). */
-static ALWAYS_INLINE F row_block(const uint8_t *w, const int decoded, const group_head *h, const act_row *x,
-                                 int64_t b, const int QT, F acc) {
-#define CHUNK_AT(c) (decoded ? v_load(w + 64 * (c)) : chunk_of(w, QT, (c)))
-    const F dx = f_set1(x->d[b]);
-    const int8_t *xq = x->q + 256 * b;
-    V dot = v_i32(0);
-    if (QT == QT_Q4_K) {
+/* The sub-block dot products of one K-quant group block for M rows (1..4), each sub-block's
+ * chunks decoded once for all of them: dot[i] = sum over sub-blocks s, in order, of s's integer
+ * scale times the dot of its chunks with row i's activations. */
+static ALWAYS_INLINE void k_dots(const uint8_t *blk, const group_head *h, const act_row *x, int64_t b, const int M,
+                                 const int QT, V dot[4]) {
+    const int subs = QT == QT_Q4_K ? 8 : 16, per = 64 / subs; /* sub-blocks, chunks in each */
+UNROLL(4)
+    for (int i = 0; i < M; i++) dot[i] = v_i32(0);
+UNROLL(16)
+    for (int s = 0; s < subs; s++) {
+        V chunk[8];
 UNROLL(8)
-        for (int s = 0; s < 8; s++) {
+        for (int c = 0; c < per; c++) chunk[c] = chunk_of(blk, QT, per * s + c);
+UNROLL(4)
+        for (int i = 0; i < M; i++) {
+            const int8_t *xq = x[i].q + 256 * b + 4 * per * s;
             V part = v_i32(0);
 UNROLL(8)
-            for (int c = 8 * s; c < 8 * s + 8; c++) part = v_dot(part, CHUNK_AT(c), xq + 4 * c);
-            dot = v_add(dot, v_mul(part, h->sc[s]));
+            for (int c = 0; c < per; c++) part = v_dot(part, chunk[c], xq + 4 * c);
+            dot[i] = v_add(dot[i], v_mul(part, h->sc[s]));
         }
+    }
+}
+
+/* One row's contribution of one K-quant group block, from its sub-block dot product: acc
+ * updated (Q4_K: less the mins' term; Q6_K: less the offset of 32). */
+static ALWAYS_INLINE F k_block(V dot, const group_head *h, const act_row *x, int64_t b, const int QT, F acc) {
+    const F dx = f_set1(x->d[b]);
+    if (QT == QT_Q4_K) {
         V mins = v_i32(0);
         for (int t = 0; t < 4; t++) mins = v_dot16(mins, h->pairs[t], x->sums32 + 8 * b + 2 * t);
         acc = f_fma(f_mul(h->d, dx), f_cvt(dot), acc);
         return f_fnma(f_mul(h->m, dx), f_cvt(mins), acc);
     }
-UNROLL(16)
-    for (int t = 0; t < 16; t++) {
-        V part = v_i32(0);
-UNROLL(4)
-        for (int c = 4 * t; c < 4 * t + 4; c++) part = v_dot(part, CHUNK_AT(c), xq + 4 * c);
-        dot = v_add(dot, v_mul(part, h->sc[t]));
-    }
     V offset = v_i32(0); /* sum_t sc_t * sum_t(q_x): the 32 of q - 32 */
     for (int t = 0; t < 8; t++) offset = v_dot16(offset, h->pairs[t], x->sums + 16 * b + 2 * t);
     dot = v_sub(dot, v_sll(offset, 5));
     return f_fma(f_mul(h->d, dx), f_cvt(dot), acc);
-#undef CHUNK_AT
 }
 
 /* One row's contribution of one 32-value group block (Q4_0, Q4_1, Q8_0), its 8 chunks decoded:
@@ -1244,20 +1241,31 @@ UNROLL(8)
     return acc;
 }
 
-/* M rows (1..4) of one group of a 32-value format, their sums kept in registers across the
- * blocks, each block's chunks decoded once for all of them. (Summing in memory, as the K-quants
- * below do, would store and reload every row's sums at each block of only 8 dot products: that
- * round trip, not the arithmetic, would set the pace; a decode row of Q8_0 is two such rows.) */
-static ALWAYS_INLINE void group_rows_q32(const uint8_t *g, const act_row *x, int64_t blocks, const int M,
-                                         const int QT, float out[][GROUP]) {
+/* M rows (1..4) of one group, their sums kept in registers across the blocks, each block's
+ * chunks decoded once for all of them. (Summing in memory would store and reload every row's
+ * sums at each block: for the 32-value formats, blocks of only 8 dot products, that round trip,
+ * not the arithmetic, would set the pace; a decode row of Q8_0 is two such rows.) The weights
+ * are prefetched PREFETCH_BYTES ahead: one core's hardware prefetcher alone leaves the K-quants'
+ * long blocks waiting on memory. */
+#define PREFETCH_BYTES 4096
+static ALWAYS_INLINE void group_rows_m(const uint8_t *g, const act_row *x, int64_t blocks, const int M, const int QT,
+                                       float out[][GROUP]) {
     const int64_t gb = GROUP * block_bytes(QT);
     F acc[4];
 UNROLL(4)
     for (int i = 0; i < M; i++) acc[i] = f_zero();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *blk = g + b * gb;
+        for (int64_t o = 0; o < gb; o += 64) __builtin_prefetch(blk + PREFETCH_BYTES + o);
         group_head h;
         head_of(blk, QT, &h);
+        if (QT == QT_Q4_K || QT == QT_Q6_K) {
+            V dot[4];
+            k_dots(blk, &h, x, b, M, QT, dot);
+UNROLL(4)
+            for (int i = 0; i < M; i++) acc[i] = k_block(dot[i], &h, x + i, b, QT, acc[i]);
+            continue;
+        }
         V chunk[8];
 UNROLL(8)
         for (int c = 0; c < 8; c++) chunk[c] = chunk_of(blk, QT, c);
@@ -1272,38 +1280,13 @@ UNROLL(4)
 #define GROUP_ROWS 16
 static ALWAYS_INLINE void group_rows(const uint8_t *g, const act_row *x, int64_t blocks, int m, const int QT,
                                      float out[GROUP_ROWS][GROUP]) {
-    if (QT == QT_Q4_0 || QT == QT_Q4_1 || QT == QT_Q8_0) {
-        for (int r0 = 0; r0 < m; r0 += 4) {
-            switch (m - r0 < 4 ? m - r0 : 4) {
-            case 1: group_rows_q32(g, x + r0, blocks, 1, QT, out + r0); break;
-            case 2: group_rows_q32(g, x + r0, blocks, 2, QT, out + r0); break;
-            case 3: group_rows_q32(g, x + r0, blocks, 3, QT, out + r0); break;
-            default: group_rows_q32(g, x + r0, blocks, 4, QT, out + r0); break;
-            }
+    for (int r0 = 0; r0 < m; r0 += 4) {
+        switch (m - r0 < 4 ? m - r0 : 4) {
+        case 1: group_rows_m(g, x + r0, blocks, 1, QT, out + r0); break;
+        case 2: group_rows_m(g, x + r0, blocks, 2, QT, out + r0); break;
+        case 3: group_rows_m(g, x + r0, blocks, 3, QT, out + r0); break;
+        default: group_rows_m(g, x + r0, blocks, 4, QT, out + r0); break;
         }
-        return;
-    }
-    const int64_t gb = GROUP * block_bytes(QT);
-    const int chunks = block_values(QT) / 4;
-    group_head h;
-    if (m == 1) {
-        F acc = f_zero();
-        for (int64_t b = 0; b < blocks; b++) {
-            const uint8_t *blk = g + b * gb;
-            head_of(blk, QT, &h);
-            acc = row_block(blk, 0, &h, x, b, QT, acc);
-        }
-        f_store(out[0], acc);
-        return;
-    }
-    _Alignas(64) uint8_t chunks_buf[64 * 64];
-    for (int i = 0; i < m; i++) f_store(out[i], f_zero());
-    for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *blk = g + b * gb;
-        head_of(blk, QT, &h);
-UNROLL(64)
-        for (int c = 0; c < chunks; c++) v_store(chunks_buf + 64 * c, chunk_of(blk, QT, c));
-        for (int i = 0; i < m; i++) f_store(out[i], row_block(chunks_buf, 1, &h, x + i, b, QT, f_load(out[i])));
     }
 }
 
