@@ -535,8 +535,16 @@ def _quantized_weights_run(name: str, d: dict[str, Any]) -> str:
 
 
 def render_quant_linear(results: Path) -> str:
-    """bench/quant_linear.py, one column pair per ISA tier run (quant_linear*.json)."""
-    runs = [(p.name, _load(results, p.name)) for p in sorted(results.glob("quant_linear*.json"))]
+    """bench/quant_linear.py: one table per CPU (quant_linear*.json grouped by the CPU they
+    record), one column triple per ISA tier run on it."""
+    machines: dict[str, list[tuple[str, dict[str, Any]]]] = {}
+    for path in sorted(results.glob("quant_linear*.json")):
+        d = _load(results, path.name)
+        machines.setdefault(d["machine"].split(" (tier")[0], []).append((path.name, d))
+    return "\n\n".join(_quant_linear_machine(runs) for runs in machines.values())
+
+
+def _quant_linear_machine(runs: list[tuple[str, dict[str, Any]]]) -> str:
     keys = list(dict.fromkeys((r["in"], r["out"], r["rows"], r["layer"]) for _, d in runs for r in d["results"]))
     header, rows = ["shape (in x out)", "M", "layer"], []
     tiers = [d["machine"].split("run at ISA tier ")[1].split(",")[0] for _, d in runs]

@@ -67,3 +67,23 @@ def test_an_unknown_block_name_is_an_error(tmp_path: Path) -> None:
     text = STALE_DOC.replace("model_runner -->", "model_runer -->")
     with pytest.raises(ValueError, match="model_runer"):
         report_docs.regenerate(text, tmp_path)
+
+
+def _write_quant_linear(results: Path, name: str, cpu: str, tier: str, ms: float) -> None:
+    rows = [{"in": 64, "out": 32, "rows": 1, "layer": layer, "ms": ms, "weight_bytes": 4096, "weight_gb_s": 1.5,
+             "vs_bf16": 2.0} for layer in ("bfloat16", "Q4_K")]
+    (results / name).write_text(json.dumps({"machine": f"{cpu} (tier {tier}), run at ISA tier {tier}, torch 2.13.0+cpu",
+                                            "date": "2030-01-02", "threads": 2, "results": rows}))
+
+
+def test_quant_linear_gives_each_cpu_its_own_table(tmp_path: Path) -> None:
+    """Runs on two machines are never columns of one table under one machine's name."""
+    _write_quant_linear(tmp_path, "quant_linear.json", "Intel Test", "amx", 0.125)
+    _write_quant_linear(tmp_path, "quant_linear_avx2.json", "Intel Test", "avx2", 0.25)
+    _write_quant_linear(tmp_path, "quant_linear_zen5.json", "AMD Test", "avx512_bf16", 0.5)
+    text = report_docs.render_quant_linear(tmp_path)
+    intel, amd = text.split("\n\nFrom ")
+    assert "CPU: Intel Test" in intel and "quant_linear_avx2.json" in intel and "AMD" not in intel
+    assert "amx: ms" in intel and "avx2: ms" in intel and "0.125" in intel and "0.250" in intel
+    assert "AMD Test" in amd and "quant_linear_zen5.json" in amd and "Intel" not in amd
+    assert "avx512_bf16: ms" in amd and "0.500" in amd and "amx" not in amd
