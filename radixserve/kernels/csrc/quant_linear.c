@@ -143,9 +143,11 @@ static ALWAYS_INLINE act_row act_at(const uint8_t *scratch, int64_t row_bytes, i
     return a;
 }
 
-/* One row x (fp32 or bf16) into its scratch row: blocks of `bs` (32 or 256) values. With
- * `minus` (a scratch row of the same x), what that row's int8 values leave of x: x - d * q. */
-static void quantize_row(const void *x, int dtype, int64_t K, int64_t bs, uint8_t *dst, const uint8_t *minus) {
+/* Blocks b0..b1-1 of one row x (fp32 or bf16) into its scratch row: blocks of `bs` (32 or 256)
+ * values. With `minus` (a scratch row of the same x), what that row's int8 values leave of x:
+ * x - d * q. */
+static void quantize_blocks(const void *x, int dtype, int64_t K, int64_t bs, int64_t b0, int64_t b1, uint8_t *dst,
+                            const uint8_t *minus) {
     const int64_t blocks = K / bs;
     int8_t *q = (int8_t *)dst;
     float *d = (float *)(dst + K);
@@ -153,19 +155,24 @@ static void quantize_row(const void *x, int dtype, int64_t K, int64_t bs, uint8_
     int32_t *isum = (int32_t *)(s + blocks);
     int16_t *sums = (int16_t *)(d + blocks);
     int16_t *sums32 = sums + 16 * blocks;
-    float v[256];
-    for (int64_t b = 0; b < blocks; b++) {
-        float amax = 0.0f;
+    float v[256], taken[256];
+    for (int64_t b = b0; b < b1; b++) {
         for (int64_t e = 0; e < bs; e++) {
             const int64_t k = b * bs + e;
             v[e] = dtype == DTYPE_BFLOAT16 ? bf16_to_float(((const uint16_t *)x)[k]) : ((const float *)x)[k];
-            if (minus != NULL) {
-                /* the product rounded before the subtraction (no fused multiply-add), as the
-                 * portable build and the tests' reference compute it */
-                float taken = ((const float *)(minus + K))[b] * (float)((const int8_t *)minus)[k];
-                __asm__ volatile("" : "+m"(taken));
-                v[e] -= taken;
-            }
+        }
+        if (minus != NULL) {
+            /* the products rounded before the subtraction (no fused multiply-add), as the
+             * portable build and the tests' reference compute them: the barrier keeps
+             * -ffast-math from fusing the two loops' operations */
+            const float dm = ((const float *)(minus + K))[b];
+            const int8_t *qm = (const int8_t *)minus + b * bs;
+            for (int64_t e = 0; e < bs; e++) taken[e] = dm * (float)qm[e];
+            __asm__ volatile("" : : "r"(taken) : "memory");
+            for (int64_t e = 0; e < bs; e++) v[e] -= taken[e];
+        }
+        float amax = 0.0f;
+        for (int64_t e = 0; e < bs; e++) {
             const float a = fabsf(v[e]);
             amax = a > amax ? a : amax;
         }
@@ -1351,15 +1358,19 @@ int quant_linear(const void *x, int64_t x_row_stride, int64_t M, int64_t K, cons
     /* work items: the groups of the interleaved layout (GROUP columns each), then chunks of
      * CHUNK columns of the rest (all of N in the file's layout) */
     const int64_t groups = interleaved ? N / GROUP : 0, rest = groups * GROUP;
+    const int64_t slices = M < num_threads ? (num_threads + M - 1) / M : 1;
     const int64_t items = groups + (N - rest + CHUNK - 1) / CHUNK;
 #pragma omp parallel num_threads(num_threads) if (M * N * K >= (int64_t)1 << 18)
     {
+        /* each row's blocks in `slices` runs (fewer rows than threads: a row split between them) */
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < M; r++) {
+        for (int64_t unit = 0; unit < M * slices; unit++) {
+            const int64_t r = unit / slices, slice = unit % slices;
+            const int64_t b0 = blocks * slice / slices, b1 = blocks * (slice + 1) / slices;
             const void *row = (const char *)x + r * x_row_stride * x_elem;
             uint8_t *first = scratch + r * parts * act_bytes;
-            quantize_row(row, x_dtype, K, bs, first, NULL);
-            if (parts == 2) quantize_row(row, x_dtype, K, bs, first + act_bytes, first);
+            quantize_blocks(row, x_dtype, K, bs, b0, b1, first, NULL);
+            if (parts == 2) quantize_blocks(row, x_dtype, K, bs, b0, b1, first + act_bytes, first);
         }
         /* implicit barrier: every row quantized. Below, "rows" are scratch rows (rows_q of them);
          * a row's parts are adjacent and the tiles' heights even, so they share a tile */
