@@ -314,7 +314,11 @@ def test_stopping_the_parent_leaves_no_orphans(tiny_dir, tmp_path, sig):
         "if __name__ == '__main__':\n"
         f"    eng = Engine(model={str(tiny_dir)!r}, dtype='float32', kv_pages=64)\n"
         "    print(*[p.pid for p in eng._backend.processes], flush=True)\n"
-        "    time.sleep(600)\n"
+        # short sleeps: a SIGINT that lands after print's signal check but before a long sleep
+        # starts would wait out that sleep (CPython checks pending signals only between bytecodes
+        # and on EINTR), which is the interpreter's race, not the engine's
+        "    while True:\n"
+        "        time.sleep(0.1)\n"
     )
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
