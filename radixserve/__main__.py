@@ -52,7 +52,8 @@ HELP = {
     "(pip install radixserve[cuda]), else torch_native",
     "disable_cuda_graph": "on cuda, run decode steps eagerly instead of replaying captured CUDA graphs",
     "page_size": "tokens per KV page (the unit of caching and allocation)",
-    "chunk_size": "prompt tokens computed per step at most (chunked prefill budget)",
+    "chunk_size": "prompt tokens computed per step at most (chunked prefill budget); deep in a long context "
+                  "a chunk is shorter, so that its attention costs no more than a prompt's first chunk",
     "max_running_requests": "sequences decoded together at most",
     "max_queued_requests": "sequences waiting at most, pins waiting to be computed included; beyond it "
     "requests and pins get 503 with Retry-After",

@@ -332,6 +332,10 @@ class WorkerInfo(msgspec.Struct, frozen=True):
     # what a copied segment token that is not recomputed costs a blend, as a share of a computed
     # token (it runs through the first layers only: worker/blend.py); step budgets count it so
     blend_copy_cost: float = 1.0
+    # what each token of context a computed token attends to adds to its work, as a share of the
+    # token's work in the linear layers (ModelConfig.context_token_cost); the step budget counts
+    # it (scheduler/step_cost.py); 0 counts tokens alone
+    context_token_cost: float = 0.0
     kv_cache_dtype: str = "auto"  # what the KV pool stores (--kv-cache-dtype resolved: never auto)
     # how the weights are held (models/loader.py): "gguf Q4_1+Q8_0" (the GGUF types kept quantized
     # for the CPU kernels), or "none" (dequantized to `dtype`)

@@ -75,6 +75,17 @@ class ModelConfig:
             raise ValueError(f"checkpoint dtype {self.dtype!r} is not one of {_DTYPES}")
 
     @property
+    def context_token_cost(self) -> float:
+        """A token's attention work per token of context, as a share of its work in a layer's
+        linear projections (multiply-adds: q/k/v/o and the gated MLP; QK^T and PV take
+        2 * heads * head_dim per context token). The scheduler budgets prefill chunks with it:
+        deep in a long context a chunk's attention outweighs its projections."""
+        q = self.num_heads * self.head_dim
+        kv = self.num_kv_heads * self.head_dim
+        linear = self.hidden_size * (2 * q + 2 * kv) + 3 * self.hidden_size * self.intermediate_size
+        return 2 * q / linear
+
+    @property
     def torch_dtype(self) -> torch.dtype:
         import torch
 

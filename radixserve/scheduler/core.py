@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -60,6 +59,7 @@ from radixserve.scheduler.policy import order_waiting, shares_uncached_prefix
 from radixserve.scheduler.request import PromptLogprobs, Request, Speculation
 from radixserve.scheduler.segments import group_tokens, missing_spans, segment_namespace
 from radixserve.scheduler.stats import Counters, scheduler_stats
+from radixserve.scheduler.step_cost import StepCost
 from radixserve.scheduler.stop import StopChecker
 
 log = logging.getLogger("radixserve.scheduler")
@@ -123,6 +123,7 @@ class Scheduler:
         if self.kv.caching and not config.disable_segment_cache:
             self.kv.segment_group = group_tokens(config.chunk_size, ADMISSION_SHARE)
         self._copy_cost = info.blend_copy_cost  # of a blend's copied tokens, in the step budget
+        self._step_cost = StepCost(config.chunk_size, info.context_token_cost)
         # segments being computed alone for the segment cache, by (namespace, tokens): every
         # request waiting for the same segment waits for the same fill
         self._fills: dict[tuple[str, tuple[int, ...]], Request] = {}
@@ -511,16 +512,17 @@ class Scheduler:
         return budget
 
     def _next_chunk(self, req: Request, budget: int) -> tuple[int, int]:
-        """Pages for the request's next chunk within `budget`, and its (length, cost): a blend's
-        copied tokens cost less than computed ones (`BlendPlan.cost`), and its chunk splits no
-        recompute group."""
-        start = req.computed_len
+        """Pages for the request's next chunk within `budget`, and its (length, cost): tokens deep
+        in a long context cost more, for their attention (`StepCost`), a blend's copied tokens
+        less than computed ones (`BlendPlan.cost`), and a blend's chunk splits no recompute group."""
+        start, step = req.computed_len, self._step_cost
         if req.blend is None:
-            n = self._grow_for_chunk(req, min(req.fill_len - start, budget))
-            return n, n
-        end = req.blend.reach(start, req.fill_len, budget, self._copy_cost)
+            n = self._grow_for_chunk(req, step.prefill_len(start, req.fill_len - start, budget))
+            return n, step.cost(start, n)
+        blend = req.blend
+        end = step.blend_end(start, budget, lambda b: blend.reach(start, req.fill_len, b, self._copy_cost))
         n = self._chunk_len(req, self._grow_for_chunk(req, end - start))
-        return n, math.ceil(req.blend.cost(start, start + n, self._copy_cost))
+        return n, step.cost(start, n, blend.cost(start, start + n, self._copy_cost))
 
     def _admit(self, budget: int, isolated: list[Request] | None = None) -> int:
         """Admit waiting requests with prefill chunks of at most `budget` tokens in all (only

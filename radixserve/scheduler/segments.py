@@ -95,7 +95,7 @@ class BlendPlan:
         copied = sum(r.length - r.recompute for r in self.runs_in(start, end))
         return (end - start) - copied * (1.0 - copy_cost)
 
-    def reach(self, start: int, end: int, budget: int, copy_cost: float) -> int:
+    def reach(self, start: int, end: int, budget: float, copy_cost: float) -> int:
         """The furthest chunk end in [start, end] whose tokens cost at most `budget` (`cost`),
         splitting no group: copies are cheap, so a step's budget covers more of a blend."""
         spent, at = 0.0, start

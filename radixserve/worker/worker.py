@@ -117,6 +117,7 @@ class Worker:
                 weight_format=self.weight_format,
                 cpu_isa=str(isa.selected_tier()),
                 blend_copy_cost=blend_copy_cost(len(self.runner.model.layers)),
+                context_token_cost=self.runner.model.config.context_token_cost,
             ),
             kv_model_key=self.disk.key if self.disk else b"",
             disk_pages=self.disk_pages,

@@ -72,9 +72,10 @@ class FakeWorker:
         return ForwardResult(results, 0.0)
 
 
-def make(page_size: int = 4, pages: int = 256, **options) -> tuple[Scheduler, FakeWorker]:
+def make(page_size: int = 4, pages: int = 256, context_token_cost: float = 0.0, **options) -> tuple[Scheduler, FakeWorker]:
     config = ServerConfig(page_size=page_size, debug_checks=True, **options)
-    ready = WorkerReady(WorkerInfo(pages, page_size, pages * page_size, 1000, [EOS], "fake", "float32", "cpu", "avx2"))
+    ready = WorkerReady(WorkerInfo(pages, page_size, pages * page_size, 1000, [EOS], "fake", "float32", "cpu", "avx2",
+                                   context_token_cost=context_token_cost))
     sched = Scheduler(config, ready, lambda req: None)
     return sched, FakeWorker(config.max_running_requests, pages, page_size)
 
@@ -201,6 +202,30 @@ def test_the_whole_budget_goes_to_one_long_prefill_when_nothing_else_waits():
     sched, worker = make(chunk_size=16, pages=512)
     _, step_tokens = run_steps(sched, worker, {0: [request("alone", list(range(100, 400)))]})
     assert step_tokens[:19] == [16] * 18 + [12]  # 300 = 18 * 16 + 12
+
+
+def test_chunks_deep_in_a_long_prompt_shorten_so_no_step_outworks_a_first_chunk():
+    """With the worker's attention cost (a tiny model's shape: attention equals its linear layers
+    at 320 tokens of context), a long prompt's chunks shorten as its context grows, every step's
+    prompt work stays within that of the prompt's first chunk, and the tokens are the same."""
+    a = 1 / 320
+    sched, worker = make(chunk_size=64, pages=1024, context_token_cost=a)
+    prompt = list(range(100, 2100))
+    sched.add_request(request("deep", prompt))
+    sched.add_request(request("beside", list(range(3000, 3010)), max_new=200))  # decodes throughout
+    done = run(sched, worker)
+    assert done["deep", 0]["tokens"] == expected_tokens(prompt, 5)
+
+    def work(start: int, n: int) -> float:
+        return n + a * (n * start + n * (n + 1) / 2)
+
+    first = work(0, 64)
+    prefills = [[c for c in batch.chunks if len(c.token_ids) > 1] for batch in worker.steps]
+    lengths = [len(c.token_ids) for chunks in prefills for c in chunks if c.rid == key("deep")]
+    assert lengths[0] == 64 and lengths[-2] < 64 / 4  # the last one is what is left
+    assert sum(lengths) == len(prompt)
+    for chunks in prefills:
+        assert sum(work(c.prefix_len, len(c.token_ids)) for c in chunks) <= first + 1e-6
 
 
 def test_pages_of_a_chunked_prefill_count_as_in_use_not_as_evictable():
