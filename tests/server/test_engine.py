@@ -19,6 +19,7 @@ from runtime_helpers import hf_greedy, pid_alive
 
 from radixserve import Engine
 from radixserve.front.types import EngineDead, InvalidRequest
+from radixserve.models.config import ModelConfig
 
 GREEDY = {"temperature": 0.0}
 
@@ -246,6 +247,9 @@ def test_chunked_prefill_and_page_size_1(tiny_dir):
     prompts = [list(range(300, 300 + 90)), list(range(500, 500 + 37))]
     expected = hf_greedy(tiny_dir, prompts, 8)
     with Engine(model=str(tiny_dir), dtype="float32", page_size=1, chunk_size=16, kv_pages=1024, debug_checks=True) as eng:
+        # the worker reports the model's attention cost, so chunks past the first shorten
+        # (scheduler/step_cost.py), and the output is still transformers'
+        assert eng.ready.context_token_cost == ModelConfig.from_folder(tiny_dir).context_token_cost > 0
         out = eng.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 8})
         assert [o["output_ids"] for o in out] == expected
         again = eng.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 8})
