@@ -4,8 +4,8 @@ A step's prompt work is bounded so that the requests decoding beside it are not 
 long: every running stream waits for the whole step. Counting a chunk by its tokens alone
 assumes each token costs the same, but a token's attention grows with the context before it:
 on SmolLM2-135M, attending to about 3,000 tokens costs as much as all of a token's linear
-layers, so a 512-token chunk at the end of an 8k prompt took several times as long as the
-prompt's first chunk, and every concurrent stream saw that step as one long gap.
+layers, so a 512-token chunk at the end of an 8k prompt does several times the work of the
+prompt's first chunk, and every concurrent stream sees that step as one long gap.
 
 So a computed token at context c (the tokens it attends to, itself included) costs
 `1 + a * c` units of work, `a` being the model's `WorkerInfo.context_token_cost`, and a chunk is
@@ -24,13 +24,13 @@ class StepCost:
     """Chunk lengths and costs, in tokens of a step's budget, for one model and chunk size."""
 
     def __init__(self, chunk_size: int, context_token_cost: float) -> None:
-        self.a = context_token_cost
+        self._context_token_cost = context_token_cost
         # the work of a prompt's first full chunk, per token: the unit a budget token stands for
         self._unit = self._work_per_token(0, chunk_size)
 
     def _work_per_token(self, start: int, n: int) -> float:
         """Mean work of the tokens at positions [start, start + n): 1 + a * their mean context."""
-        return 1.0 + self.a * (start + (n + 1) / 2)
+        return 1.0 + self._context_token_cost * (start + (n + 1) / 2)
 
     def _factor(self, start: int, n: int) -> float:
         """How much more than its token count a chunk of n tokens at `start` costs (at least 1)."""
@@ -49,8 +49,9 @@ class StepCost:
             return max(0, n)
         # n tokens at start cost n * (1 + a * (start + (n + 1) / 2)): the largest n within
         # budget * unit is a quadratic's root, then rounded down past float error
-        b = 1.0 + self.a * (start + 0.5)
-        n = min(n, int((-b + math.sqrt(b * b + 2.0 * self.a * budget * self._unit)) / self.a))
+        a = self._context_token_cost
+        b = 1.0 + a * (start + 0.5)
+        n = min(n, int((-b + math.sqrt(b * b + 2.0 * a * budget * self._unit)) / a))
         while n > 1 and self.cost(start, n) > budget:
             n -= 1
         return max(1, n)
