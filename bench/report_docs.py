@@ -272,6 +272,14 @@ def render_fuzz(results: Path) -> str:
         lines.append(f"Plain stream probe (64 tokens, greedy): worst gap between chunks {idle['worst_gap_ms']} ms on the "
                      f"idle server ({idle['streams']} streams), {during['worst_gap_ms']} ms during the run "
                      f"({during['streams']} streams): {probe['worst_gap_ratio']}x.")
+    control = d.get("control")
+    if control:  # a run with --control
+        alone, hostile = control["probe"]["during"], probe["during"]
+        lines.append(
+            f"Control (`--control`: the {_n(control['requests'])} served requests of plain clients sent again alone, "
+            f"the probe beside them): worst gap {alone['worst_gap_ms']} ms, p99 {alone['p99_gap_ms']} ms, median "
+            f"{alone['median_gap_ms']} ms; with the hostile requests {hostile['worst_gap_ms']}, {hostile['p99_gap_ms']} "
+            f"and {hostile['median_gap_ms']} ms; problems in the control: {sum(control['problems'].values())}.")
     return "\n".join(lines)
 
 

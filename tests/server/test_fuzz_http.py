@@ -38,6 +38,7 @@ from bench.robustness.fuzz import (
     unexplained_aborts,
 )
 from bench.robustness.fuzz.plan import CROSS_ORIGIN_SHAPES, SHAPES
+from bench.robustness.fuzz.run import control_plan
 from bench.robustness.fuzz.schemas import SCHEMA_SHAPES
 
 REQUESTS = 400
@@ -154,3 +155,11 @@ def test_fuzz_finds_nothing(server):
     probe = report.probe
     assert probe["idle"]["streams"] >= 1 and probe["idle"]["ends"] == {"ok": probe["idle"]["streams"]}, probe
     assert probe["during"]["streams"] >= 1 and probe["worst_gap_ratio"] is not None, probe
+    # the control: the served requests of plain clients, sent again alone with the probe beside
+    valid = control_plan(plan, report)
+    assert 50 < len(valid) <= report.status_classes["2xx"] and all(r.mode == "plain" for r in valid)
+    control = asyncio.run(run_plan(server.url, valid, concurrency=6, timeout=60))
+    assert control.ok, f"{dict(control.problems)}: {json.dumps(control.failures[:5], indent=1)[:3000]}"
+    # served once, served again (a pin past its tenant's budget or a flush may differ now)
+    assert control.status_classes["2xx"] >= 0.9 * len(valid), control.by_status
+    assert control.probe["during"]["streams"] >= 1, control.probe

@@ -1,5 +1,7 @@
 """`python -m bench.robustness.fuzz`: start a server (or use --url), draw a plan, run it, print
-and write the figures; exit code 1 if anything was found."""
+and write the figures; exit code 1 if anything was found. With `--control`, the run's valid load
+(what plain clients sent and the server served) then runs again alone on the same server, with
+the probe beside it: the control the probe's gaps under hostile load are read against."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from bench.model_runner import machine
 from bench.robustness.fuzz import __doc__ as overview
 from bench.robustness.fuzz.plan import draw_plan
 from bench.robustness.fuzz.request import Target
-from bench.robustness.fuzz.run import Report, print_report, run_plan
+from bench.robustness.fuzz.run import Report, control_plan, print_report, run_plan
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -31,6 +33,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=4, help="the most tokens a valid request asks for")
     p.add_argument("--no-probe", action="store_true",
                    help="no plain stream probe (its gaps on the idle server, then during the run)")
+    p.add_argument("--control", action="store_true",
+                   help="then send the run's served requests alone, the probe beside them (its gaps without the hostile ones)")
     add_model(p, help="without --url: the model to serve; `tiny`: a 2-layer random model on the default tokenizer",
               dtype_help="without --url (auto: bf16 on CUDA and avx2+ CPUs, else fp32)")
     add_server_arg(p, help="more `serve` options without --url")
@@ -38,9 +42,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
-    def write(report: Report, partial: bool) -> None:
+    def write(report: Report, partial: bool, control: Report | None = None) -> None:
         figures = {"date": datetime.date.today().isoformat(), "cpu": machine(), "url": args.url, "model": args.model,
                    "seed": args.seed, "partial": partial, **report.to_json()}
+        if control is not None:
+            figures["control"] = {k: v for k, v in control.to_json().items()
+                                  if k in ("ok", "requests", "duration_s", "status_classes", "problems", "hangs", "probe")}
         args.out.write_text(json.dumps(figures, indent=1))
 
     with contextlib.ExitStack() as stack:
@@ -64,10 +71,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         run = run_plan(url, plan, concurrency=args.concurrency, timeout=args.timeout, probe=not args.no_probe,
                        progress=progress)
         report = asyncio.run(run)
-    write(report, partial=False)
+        control = None
+        if args.control and not args.no_probe and not report.engine_dead:
+            valid = control_plan(plan, report)
+            print(f"fuzz: control: the {len(valid)} served requests alone, the probe beside them", file=sys.stderr)
+            control = asyncio.run(run_plan(url, valid, concurrency=args.concurrency, timeout=args.timeout))
+    write(report, partial=False, control=control)
     print_report(report)
+    if control is not None:
+        during, alone = report.probe["during"], control.probe["during"]
+        print(f"  control ({control.requests} served requests alone, ok {control.ok}): probe worst gap "
+              f"{alone['worst_gap_ms']} ms, p99 {alone['p99_gap_ms']} ms, median {alone['median_gap_ms']} ms; "
+              f"with the hostile requests {during['worst_gap_ms']} / {during['p99_gap_ms']} / {during['median_gap_ms']} ms")
     print(f"fuzz: figures written to {args.out}", file=sys.stderr)
-    return 0 if report.ok else 1
+    return 0 if report.ok and (control is None or control.ok) else 1
 
 
 def tiny_model(path: Path) -> Path:

@@ -54,6 +54,9 @@ class Report:
     after: dict[str, Any] = field(default_factory=dict)
     probe: dict[str, Any] = field(default_factory=dict)  # the plain stream's gaps, idle and during the run
     failures: list[dict[str, Any]] = field(default_factory=list)  # the first few, with their requests
+    # the plan's requests (indexes) that plain clients sent and the server served (2xx): the
+    # valid load, sent again alone as the probe's control (`control_plan`); not in the figures
+    served: list[int] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -70,7 +73,8 @@ class Report:
             self.failures.append({"kind": kind, "detail": detail, "request": req.describe() if req else None, **context})
 
     def to_json(self) -> dict[str, Any]:
-        out = {k: dict(v.most_common()) if isinstance(v, Counter) else v for k, v in self.__dict__.items()}
+        out = {k: dict(v.most_common()) if isinstance(v, Counter) else v for k, v in self.__dict__.items()
+               if k != "served"}
         return {"ok": self.ok, **out}
 
 
@@ -198,6 +202,8 @@ class _Run:
         outcome.problems, outcome.note = judge(req, ans, self.target.max_body_bytes)
         if ans.status is not None:
             report.by_status[str(ans.status)] += 1
+            if req.mode == "plain" and 200 <= ans.status < 300:
+                report.served.append(i)
             report.status_classes[f"{ans.status // 100}xx"] += 1
             refusal = must_refuse_request(req, self.target)
             if refusal is not None and not ans.left and ans.status != refusal[0]:
@@ -259,6 +265,13 @@ class _Run:
             report.engine_restarts += 1
             report.add_failure("engine-restart", f"pids {self.pids} became {info.get('pids')}")
             self.pids = info.get("pids") or {}
+
+
+def control_plan(plan: Sequence[FuzzRequest], report: Report) -> list[FuzzRequest]:
+    """The run's valid load alone: the requests plain clients sent and the server served, in
+    the plan's order. Run with the probe beside it, it tells what the hostile requests added to
+    the probe's gaps, apart from what a server busy with the same valid work shows anyway."""
+    return [plan[i] for i in sorted(report.served)]
 
 
 async def _get_json(url: str, path: str) -> Any:
