@@ -211,15 +211,12 @@ def render_head_of_line(results: Path) -> str:
         ["short requests that got in during the long prefill", str(d["short_requests_beside_long"])],
         ["ratio beside / alone", f"{d['ratio']:.0f}x"],
         ["the long prompt's own time to first token", f"{d['long_ttft_s']:.1f} s"],
+        ["a decoding stream's gap between tokens alone (median)", f"{d['stream_gap_alone_ms']:.1f} ms"],
+        ["its gaps during the long prefill: median", f"{d['stream_gap_beside_long_median_ms']:.0f} ms"],
+        ["its gaps during the long prefill: worst", f"{d['stream_gap_beside_long_worst_ms']:.0f} ms"],
+        ["its tokens during the long prefill", str(d["stream_gaps_beside_long"])],
+        ["the long prompt's time to first token beside the stream", f"{d['long_ttft_with_stream_s']:.1f} s"],
     ]
-    if "stream_gap_alone_ms" in d:  # files from before the decoding stream was timed lack it
-        rows += [
-            ["a decoding stream's gap between tokens alone (median)", f"{d['stream_gap_alone_ms']:.1f} ms"],
-            ["its gaps during the long prefill: median", f"{d['stream_gap_beside_long_median_ms']:.0f} ms"],
-            ["its gaps during the long prefill: worst", f"{d['stream_gap_beside_long_worst_ms']:.0f} ms"],
-            ["its tokens during the long prefill", str(d["stream_gaps_beside_long"])],
-            ["the long prompt's time to first token beside the stream", f"{d['long_ttft_with_stream_s']:.1f} s"],
-        ]
     return "\n".join([
         _source(["head_of_line.json"], d.get("cpu"), d.get("date")) + f" ISA tier: {d.get('cpu_isa')}; model `{d.get('model')}`, "
         f"{d.get('dtype')}, a {_n(d['long_tokens'])}-token long prompt.",
