@@ -38,6 +38,7 @@ from bench.robustness.fuzz import (
     unexplained_aborts,
 )
 from bench.robustness.fuzz.plan import CROSS_ORIGIN_SHAPES, SHAPES
+from bench.robustness.fuzz.request import KEEP_BYTES
 from bench.robustness.fuzz.run import control_plan
 from bench.robustness.fuzz.schemas import SCHEMA_SHAPES
 
@@ -75,6 +76,21 @@ def test_encode_writes_what_json_dumps_cannot():
     assert encode({"s": "\ud800"}, ascii_only=False) == b'{"s":"\xed\xa0\x80"}'  # not UTF-8: a lone surrogate
     assert len(encode({"text": Pad(1000)})) == 1000
     json.loads(encode({"text": Pad(1000), "n": [1, 2]}))
+
+
+def test_a_request_encodes_its_body_once_until_judged():
+    """The client and the oracle look at a body several times; a big one is encoded and read
+    once while its request is in flight, then dropped (its size stays), a small one kept."""
+    big = FuzzRequest("POST", "/generate", "/generate", {"text": "hi", "padding": Pad(KEEP_BYTES + 1)})
+    raw, body = big.payload(), big.sent_json()
+    assert big.payload() is raw and big.sent_json() is body and body["text"] == "hi"
+    big.forget()
+    assert big.size() == KEEP_BYTES + 1 and big.payload() is not raw and big.payload() == raw
+    small = FuzzRequest("POST", "/generate", "/generate", {"text": "hi"})
+    raw = small.payload()
+    small.forget()
+    assert small.payload() is raw and small.sent_json() == {"text": "hi"}
+    assert FuzzRequest("POST", "/generate", "/generate", Raw("{")).sent_json() is None
 
 
 def test_the_oracle_flags_what_it_must():

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from bench.robustness.fuzz import FuzzRequest, Target, must_refuse, must_refuse_request
-from bench.robustness.fuzz.oracle import json_or_none
+from bench.robustness.fuzz.encoding import json_or_none
 from bench.robustness.fuzz.plan import SHAPES, fuzz_requests
 from bench.robustness.fuzz.probe import StreamTimes, phase_figures, probe_figures, worst_gap
 from bench.robustness.fuzz.schemas import SCHEMA_SHAPES, json_depth, nested_regex, nested_schema

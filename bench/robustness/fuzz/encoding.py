@@ -1,5 +1,5 @@
 """JSON beyond what json.dumps writes: numbers as raw text, objects with repeated keys, filler
-sized to make a body exactly so many bytes."""
+sized to make a body exactly so many bytes; and JSON read back leniently (`json_or_none`)."""
 
 from __future__ import annotations
 
@@ -77,3 +77,11 @@ def _walk(v: Any) -> Iterator[Any]:
     if isinstance(v, (list, tuple)):
         for item in v:
             yield from _walk(item)
+
+
+def json_or_none(raw: bytes) -> Any:
+    """`raw` as JSON, or None when it is none (or more than Python reads)."""
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):  # not JSON, more digits than Python parses, or too deep
+        return None

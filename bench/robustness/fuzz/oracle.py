@@ -12,6 +12,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from bench.robustness.fuzz.client import Answer
+from bench.robustness.fuzz.encoding import json_or_none
 from bench.robustness.fuzz.request import GENERATING, FuzzRequest, Target
 from bench.robustness.fuzz.schemas import json_depth
 from bench.robustness.fuzz.values import SAMPLING_KEYS, SGLANG_UNSUPPORTED, UNKNOWN_KEYS
@@ -350,13 +351,6 @@ def _as_float(value: Any) -> float | None:
     return number if math.isfinite(number) else None
 
 
-def json_or_none(raw: bytes) -> Any:
-    try:
-        return json.loads(raw)
-    except (ValueError, RecursionError):  # not JSON, more digits than Python parses, or too deep
-        return None
-
-
 def error_field(raw: bytes, key: str) -> Any:
     """A field of an OpenAI-shaped error body, or None."""
     data = json_or_none(raw)
@@ -395,7 +389,7 @@ def check_rules(req: FuzzRequest, ans: Answer, outcome: Outcome, target: Target)
     """A generating or pin route's answer against the documented rules: a body that breaks one
     is refused; an OpenAI error names a field the client sent; a 2xx of a generating route has
     the results asked for."""
-    body = json_or_none(req.payload()) if req.body is not None else None
+    body = req.sent_json()
     if ans.status is None or body is None:
         return
     if ans.status < 300:
@@ -414,7 +408,7 @@ def check_rules(req: FuzzRequest, ans: Answer, outcome: Outcome, target: Target)
 def check_results(req: FuzzRequest, ans: Answer, outcome: Outcome) -> None:
     """For a 2xx of a generating route: one result per sequence asked for, each labelled with
     the rid its prompt was given; collects the sequences that ended in "abort"."""
-    body = json_or_none(req.payload()) if req.body is not None else None
+    body = req.sent_json()
     if not isinstance(body, dict):
         return
     finals = results_of(req, ans)

@@ -22,7 +22,8 @@ from typing import Any
 
 import httpx
 
-from bench.robustness.fuzz.oracle import error_code, json_or_none
+from bench.robustness.fuzz.encoding import json_or_none
+from bench.robustness.fuzz.oracle import error_code
 
 PROBE_BODY = {"text": "The capital of France is",
               "sampling_params": {"max_new_tokens": 64, "temperature": 0, "ignore_eos": True}, "stream": True}

@@ -7,9 +7,11 @@ from typing import Any
 
 import httpx
 
-from bench.robustness.fuzz.encoding import encode
+from bench.robustness.fuzz.encoding import encode, json_or_none
 
 GENERATING = ("/generate", "/v1/completions", "/v1/chat/completions")
+KEEP_BYTES = 1 << 20  # a body up to this size stays encoded for the whole run (`FuzzRequest.forget`)
+_UNREAD = object()  # `FuzzRequest.sent_json` not decoded yet
 
 
 @dataclass(frozen=True)
@@ -64,19 +66,38 @@ class FuzzRequest:
     headers: dict[str, str] = field(default_factory=dict)
     tags: tuple[str, ...] = ()
     _payload: bytes | None = field(default=None, init=False, repr=False, compare=False)
+    _sent_json: Any = field(default=_UNREAD, init=False, repr=False, compare=False)
+    _size: int | None = field(default=None, init=False, repr=False, compare=False)
 
     def payload(self) -> bytes:
-        """The body's bytes (kept when small: the oracle reads them several times)."""
+        """The body's bytes, encoded once and kept (until `forget`): the client and the oracle
+        read them several times, and encoding a 32 MiB body again at each look costs a core for
+        a tenth of a second, on the machine the server and the probe share."""
         if self.body is None:
             return b""
         if isinstance(self.body, bytes):
             return self.body
-        if self._payload is not None:
-            return self._payload
-        raw = encode(self.body, self.ascii_only)
-        if len(raw) <= 1 << 20:
-            self._payload = raw
-        return raw
+        if self._payload is None:
+            self._payload = encode(self.body, self.ascii_only)
+            self._size = len(self._payload)
+        return self._payload
+
+    def size(self) -> int:
+        """The body's length in bytes (remembered after `forget`)."""
+        return self._size if self._size is not None else len(self.payload())
+
+    def sent_json(self) -> Any:
+        """The body as JSON, as the server reads it (None: no body, or none that is JSON),
+        decoded once and kept (until `forget`)."""
+        if self._sent_json is _UNREAD:
+            self._sent_json = None if self.body is None else json_or_none(self.payload())
+        return self._sent_json
+
+    def forget(self) -> None:
+        """Drop a big body's bytes and JSON once its answer is judged: a plan sends a hundred
+        bodies of 32-64 MiB. Small ones stay (the report reads them)."""
+        if self.size() > KEEP_BYTES:
+            self._payload, self._sent_json = None, _UNREAD
 
     def describe(self, limit: int = 2000) -> dict[str, Any]:
         """The request for a report: everything but a long body's middle."""

@@ -15,13 +15,13 @@ from typing import Any
 import httpx
 
 from bench.robustness.fuzz.client import Answer, send
+from bench.robustness.fuzz.encoding import json_or_none
 from bench.robustness.fuzz.oracle import (
     PIN_ROUTES,
     Outcome,
     check_rules,
     error_code,
     error_message,
-    json_or_none,
     judge,
     must_refuse_request,
     unexplained_aborts,
@@ -160,7 +160,7 @@ class _Run:
         if window is not None:
             overlapping = [o for o in self.outcomes if o.start < window[1] and o.end > window[0]]
             self.report.probe["during"]["worst_gap_in_flight"] = [
-                {"route": o.route, "status": o.status, "body_bytes": len(self.plan[o.index].payload()),
+                {"route": o.route, "status": o.status, "body_bytes": self.plan[o.index].size(),
                  "tags": list(self.plan[o.index].tags)} for o in overlapping
             ]
         abort_alls = [o for o in self.outcomes if o.abort_call is not None and o.abort_call[1]]
@@ -195,6 +195,8 @@ class _Run:
             self._check(i, req, ans, outcome)
         except Exception as exc:  # noqa: BLE001 - the fuzzer's own bug: reported, the run goes on
             report.add_failure("fuzzer-error", f"{type(exc).__name__}: {exc}", req)
+        finally:
+            req.forget()
         return outcome
 
     def _check(self, i: int, req: FuzzRequest, ans: Answer, outcome: Outcome) -> None:
@@ -215,7 +217,7 @@ class _Run:
                 if isinstance(answer, dict) and type(answer.get("pin_id")) is int:
                     self.pinned.add(answer["pin_id"])
             if ans.status == 200 and req.route == "/abort_request":
-                body = json_or_none(req.payload())
+                body = req.sent_json()
                 if isinstance(body, dict):
                     rid = body.get("rid")
                     outcome.abort_call = (rid if isinstance(rid, str) else None, body.get("abort_all") is True)
