@@ -139,11 +139,13 @@ def test_prometheus_runs_every_query_of_the_dashboard(dashboard, server, tmp_pat
         while time.monotonic() < deadline:  # until it has scraped the server a few times, with traffic between
             _traffic(server)
             try:
-                up = httpx.get(api + "/query", params={"query": "count_over_time(up[1m])"}, timeout=5).json()
+                answer = httpx.get(api + "/query", params={"query": "count_over_time(up[1m])"}, timeout=5)
+            except httpx.HTTPError:  # not listening yet
+                answer = None
+            if answer is not None and answer.status_code == 200:  # a 503 "Service Unavailable" while its storage opens
+                up = answer.json()
                 if up["data"]["result"] and float(up["data"]["result"][0]["value"][1]) >= 4:
                     break
-            except httpx.HTTPError:
-                pass
             time.sleep(1)
         else:
             raise AssertionError("Prometheus did not scrape the server:\n" + (tmp_path / "prometheus.log").read_text())
