@@ -71,8 +71,8 @@ class FuzzRequest:
 
     def payload(self) -> bytes:
         """The body's bytes, encoded once and kept (until `forget`): the client and the oracle
-        read them several times, and encoding a 32 MiB body again at each look costs a core for
-        a tenth of a second, on the machine the server and the probe share."""
+        read them several times, and encoding a megabyte body again at each look would load the
+        cores the server and the probe share."""
         if self.body is None:
             return b""
         if isinstance(self.body, bytes):
