@@ -104,6 +104,9 @@ HELP = {
     "default: one per --cpu-affinity core, else torch's default",
     "cpu_affinity": "pin the worker to these cores, e.g. 0-15 or 0,2,4-7 (replicas sharing a machine); "
     "the scheduler and front then run on the other cores this process may use, if any",
+    "disable_adaptive_threads": "keep the CPU worker on all its threads even while other processes "
+    "keep them waiting for a core (by default it gives up a thread while that happens, and tries "
+    "it again later)",
     "host": "address to listen on; 127.0.0.1 keeps the server local (use 0.0.0.0 with --api-key)",
     "port": "TCP port to listen on",
     "api_key": "require 'Authorization: Bearer <key>' on every route but /health and the chat "

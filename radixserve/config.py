@@ -75,6 +75,8 @@ class ServerConfig:
     # CPU placement (radixserve/placement.py): replicas sharing a machine pin their workers apart
     num_threads: int | None = None  # the worker's thread pools; None: one per --cpu-affinity core, else torch's default
     cpu_affinity: str | None = None  # the worker's cores, e.g. "0-15" or "0,2,4-7"; None: not pinned
+    # a CPU worker gives up a thread while other processes keep its threads waiting (worker/thread_governor.py)
+    disable_adaptive_threads: bool = False
     # HTTP server
     host: str = "127.0.0.1"
     port: int = 30000

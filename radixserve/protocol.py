@@ -285,6 +285,7 @@ class SchedulerStats(msgspec.Struct, tag=True):
     pinned_tokens_disk: int = 0  # tokens of the pages pins hold in the disk tier
     segment_reused_tokens_total: int = 0  # prompt tokens whose KV came from the segment cache
     segment_recomputed_tokens_total: int = 0  # of those, recomputed through every layer
+    worker_threads: int = 0  # the threads the worker's last forward ran on; 0: none yet
 
 
 class PinInfo(msgspec.Struct, omit_defaults=True):
@@ -467,6 +468,7 @@ class ForwardResult(msgspec.Struct, tag=True):
     results: list[ChunkResult]  # one per chunk, in order
     forward_time: float
     disk: DiskReport | None = None  # with --kv-disk-dir
+    threads: int = 0  # the threads the forward ran on (a CPU worker may give some up: thread_governor.py); 0: not told
 
 
 class WorkerReady(msgspec.Struct, tag=True):

@@ -46,6 +46,8 @@ _GAUGES = (
     ("kv_disk_pages", "KV pages in the disk tier (--kv-disk-dir).", "kv_disk_pages"),
     ("kv_disk_bytes", "Bytes the disk tier's page files take.", "kv_disk_bytes"),
     ("kv_disk_capacity_bytes", "The disk tier's budget in bytes (--kv-disk-gb).", "kv_disk_capacity_bytes"),
+    ("worker_threads", "Threads the worker's last forward ran on: a CPU worker gives up a thread while "
+     "other processes keep its threads waiting for a core (0: no forward yet).", "worker_threads"),
 )
 _COUNTERS = (
     ("prompt_tokens", "Prompt tokens of admitted requests.", "prompt_tokens_total"),

@@ -100,6 +100,7 @@ class Scheduler:
         self.counters = Counters()
         self.new_token_ratio = INITIAL_NEW_TOKEN_RATIO
         self.last_step_time = 0.0
+        self.worker_threads = 0  # as the last ForwardResult told it
         self._arrivals = 0
         self._make_stop_checker = stop_checker_factory
         self.grammars = grammars
@@ -428,7 +429,10 @@ class Scheduler:
         return self.pending_worker_cleanup()
 
     def absorb_worker_report(self, result: ForwardResult) -> None:
-        """What a step without chunks brought back: the disk threads' progress."""
+        """What any step brings back besides its chunks' results: the disk threads' progress,
+        the worker's thread count."""
+        if result.threads:
+            self.worker_threads = result.threads
         if result.disk is not None and self.kv.disk is not None:
             self.kv.disk.absorb(result.disk)
 

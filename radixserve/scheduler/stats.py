@@ -52,6 +52,7 @@ def scheduler_stats(sched: Scheduler, req_id: int) -> SchedulerStats:
         pinned_tokens_disk=sched.pins.pinned_tokens("disk"),
         segment_reused_tokens_total=counters.segment_reused_tokens,
         segment_recomputed_tokens_total=counters.segment_recomputed_tokens,
+        worker_threads=sched.worker_threads,
         **_grammar_stats(sched.grammars),
         **_disk_stats(kv.disk),
     )

@@ -1,13 +1,16 @@
 """CPU placement options (--num-threads, --cpu-affinity, --device cuda:K): parsing, validation,
-the plan, and the pinning a real server applies to its three processes."""
+the plan, the pinning a real server applies to its three processes, and its worker giving up
+the thread of a core another process keeps busy (--disable-adaptive-threads)."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 from http_helpers import TINY_OPTIONS, running_server
 
@@ -147,3 +150,65 @@ def test_server_pins_worker_and_keeps_the_rest_off_its_cores(tiny_dir: Path, tmp
         log = server.log()
         assert f"worker: 1 threads on cores {worker_core}; scheduler and front on cores {format_cpu_list(rest)}" in log
         assert f"worker threads: 1; cores: {worker_core}" in log  # the worker's own account, after pinning
+
+
+def _worker_threads(url: str) -> float | None:
+    """radixserve_worker_threads from /metrics (None before the first forward's report)."""
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith("radixserve_worker_threads{"):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def _generate_until(url: str, wanted: float, seconds: float) -> float | None:
+    """Keeps the worker decoding until radixserve_worker_threads reads `wanted` (or time is up);
+    returns the last reading."""
+    body = {"text": "The governor counts", "sampling_params": {"max_new_tokens": 128, "ignore_eos": True}}
+    deadline = time.monotonic() + seconds
+    threads = None
+    while time.monotonic() < deadline:
+        for answer in [httpx.post(url + "/generate", json=body, timeout=60) for _ in range(2)]:
+            answer.raise_for_status()
+        threads = _worker_threads(url)
+        if threads == wanted:
+            break
+    return threads
+
+
+GOVERNED = pytest.mark.skipif(
+    not CAN_PIN or len(usable_cpus()) < 2 or not os.path.exists(f"/proc/self/task/{os.getpid()}/schedstat"),
+    reason="needs Linux affinity, per-thread schedstat and 2 usable cores")
+
+
+def _busy_core(core: int) -> subprocess.Popen[bytes]:
+    """A process that keeps `core` busy until killed."""
+    return subprocess.Popen([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{core}}})\nwhile True: pass"])
+
+
+@GOVERNED
+def test_a_busy_core_takes_a_thread_from_the_worker_until_it_is_free(default_model_dir: Path, tmp_path: Path):
+    """A process that keeps one of the worker's two cores busy makes it give up a thread, and
+    it takes the thread back once the core is free (worker/thread_governor.py)."""
+    cores = usable_cpus()[:2]
+    with running_server(default_model_dir, "--cpu-affinity", format_cpu_list(cores), log_dir=tmp_path) as server:
+        assert _generate_until(server.url, 2, 5) == 2
+        busy = _busy_core(cores[1])
+        try:
+            assert _generate_until(server.url, 1, 60) == 1
+        finally:
+            busy.kill()
+            busy.wait()
+        assert _generate_until(server.url, 2, 60) == 2
+
+
+@GOVERNED
+def test_adaptive_threads_off_keeps_every_thread_beside_a_busy_core(default_model_dir: Path, tmp_path: Path):
+    cores = usable_cpus()[:2]
+    with running_server(default_model_dir, "--cpu-affinity", format_cpu_list(cores), "--disable-adaptive-threads",
+                        log_dir=tmp_path) as server:
+        busy = _busy_core(cores[1])
+        try:
+            assert _generate_until(server.url, 1, 5) == 2
+        finally:
+            busy.kill()
+            busy.wait()
