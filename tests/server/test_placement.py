@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -180,9 +182,15 @@ GOVERNED = pytest.mark.skipif(
     reason="needs Linux affinity, per-thread schedstat and 2 usable cores")
 
 
-def _busy_core(core: int) -> subprocess.Popen[bytes]:
-    """A process that keeps `core` busy until killed."""
-    return subprocess.Popen([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{core}}})\nwhile True: pass"])
+@contextmanager
+def _busy_core(core: int) -> Iterator[None]:
+    """A process that keeps `core` busy for the block."""
+    busy = subprocess.Popen([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{core}}})\nwhile True: pass"])
+    try:
+        yield
+    finally:
+        busy.kill()
+        busy.wait()
 
 
 @GOVERNED
@@ -191,13 +199,8 @@ def test_a_busy_core_takes_a_thread_from_the_worker_until_it_is_free(default_mod
     it takes the thread back once the core is free (worker/thread_governor.py)."""
     cores = usable_cpus()[:2]
     with running_server(default_model_dir, "--cpu-affinity", format_cpu_list(cores), log_dir=tmp_path) as server:
-        assert _generate_until(server.url, 2, 5) == 2
-        busy = _busy_core(cores[1])
-        try:
+        with _busy_core(cores[1]):
             assert _generate_until(server.url, 1, 60) == 1
-        finally:
-            busy.kill()
-            busy.wait()
         assert _generate_until(server.url, 2, 60) == 2
 
 
@@ -206,9 +209,5 @@ def test_adaptive_threads_off_keeps_every_thread_beside_a_busy_core(default_mode
     cores = usable_cpus()[:2]
     with running_server(default_model_dir, "--cpu-affinity", format_cpu_list(cores), "--disable-adaptive-threads",
                         log_dir=tmp_path) as server:
-        busy = _busy_core(cores[1])
-        try:
+        with _busy_core(cores[1]):
             assert _generate_until(server.url, 1, 5) == 2
-        finally:
-            busy.kill()
-            busy.wait()
