@@ -392,9 +392,7 @@ def render_segment_reuse(results: Path) -> str:
         e = _load(results, fp32.name)
         lines += ["", f"The same in {e.get('dtype')} (`bench/results/{fp32.name}`, {e.get('date')}, CPU: {e.get('cpu')}):",
                   "", _segment_quality(e)]
-    for key in ("speed", "speed_amx", "speed_avx2"):
-        if key not in d:
-            continue
+    for key in [k for k in d if k.startswith("speed")]:  # one speed run per machine or tier, in file order
         sp, t = d[key], d["targets"]
         on, off = sp["median"]["on"], sp["median"]["off"]
         su = sp["summary"]
@@ -438,9 +436,7 @@ def render_kv_cache_dtype(results: Path) -> str:
                   f"Targets: pool tokens >= {t['capacity_ratio']}x bf16 for every 8-bit kind; agreement >= "
                   f"{t['agreement']} for fp8_e4m3 and int8; perplexity within {round((t['perplexity_ratio'] - 1) * 100)}% "
                   "of bf16 (fp8_e5m2 reported as it comes)."]
-    for key in ("speed", "speed_avx2"):
-        if key not in d:
-            continue
+    for key in [k for k in d if k.startswith("speed")]:  # one speed run per machine or tier, in file order
         sp = d[key]
         med = sp["median"]
         rows = [[name, _n(m["pool_tokens"]), f"{m['cache_hit_fraction']:.2f}", f"{_n(m['mean_ttft_ms'])} ms",
@@ -455,18 +451,17 @@ def render_kv_cache_dtype(results: Path) -> str:
                   _table(["--kv-cache-dtype", "pool tokens", "prompt tokens from the cache", "mean TTFT",
                           "output tok/s", "vs bf16"], "lrrrrr", rows), "",
                   f"Target: output tok/s >= {t['throughput_ratio']}x bf16 with an 8-bit KV cache."]
-    attn = results / "kv_decode_attention.json"
-    if attn.exists():
-        lines += ["", _render_kv_decode_attention(_load(results, attn.name))]
+    for attn in sorted(results.glob("kv_decode_attention*.json")):  # a file a machine
+        lines += ["", _render_kv_decode_attention(attn.name, _load(results, attn.name))]
     return "\n".join(lines)
 
 
-def _render_kv_decode_attention(d: dict[str, Any]) -> str:
+def _render_kv_decode_attention(file_name: str, d: dict[str, Any]) -> str:
     """The CPU decode kernel over 8-bit pages against bf16 ones (bench/kv_decode_attention.py)."""
     rows = [[name, f"{r['median_ms']:.2f} ms", "" if name == "bfloat16" else f"**{r['ratio']:.2f}x**"]
             for name, r in d["formats"].items()]
     return "\n".join([
-        f"In-process decode attention (`bench/results/kv_decode_attention.json`, CPU: {d.get('cpu')}, "
+        f"In-process decode attention (`bench/results/{file_name}`, CPU: {d.get('cpu')}, "
         f"{d.get('date')}, ISA tier {d.get('tier')}): {d.get('shape')}; median of alternating repeats:", "",
         _table(["KV pages", "one call", "bf16 time / this"], "lrr", rows), "",
         f"Target: >= {d.get('target', 1.3)}x faster than bf16.",
@@ -548,12 +543,13 @@ def _quantized_weights_run(name: str, d: dict[str, Any]) -> str:
 
 
 def render_quant_linear(results: Path) -> str:
-    """bench/quant_linear.py: one table per CPU (quant_linear*.json grouped by the CPU they
-    record), one column triple per ISA tier run on it."""
+    """bench/quant_linear.py: one table per CPU (quant_linear*.json grouped by the CPU and its own
+    tier they record: two AMD EPYC generations differ only there), one column triple per ISA tier
+    run on it."""
     machines: dict[str, list[tuple[str, dict[str, Any]]]] = {}
     for path in sorted(results.glob("quant_linear*.json")):
         d = _load(results, path.name)
-        machines.setdefault(d["machine"].split(" (tier")[0], []).append((path.name, d))
+        machines.setdefault(d["machine"].split(", run at")[0], []).append((path.name, d))  # CPU and its own tier
     return "\n\n".join(_quant_linear_machine(runs) for runs in machines.values())
 
 

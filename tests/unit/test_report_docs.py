@@ -69,21 +69,25 @@ def test_an_unknown_block_name_is_an_error(tmp_path: Path) -> None:
         report_docs.regenerate(text, tmp_path)
 
 
-def _write_quant_linear(results: Path, name: str, cpu: str, tier: str, ms: float) -> None:
+def _write_quant_linear(results: Path, name: str, cpu: str, tier: str, ms: float, run_at: str | None = None) -> None:
+    """A results file as bench.quant_linear writes it: the CPU with its own tier, and the tier run."""
     rows = [{"in": 64, "out": 32, "rows": 1, "layer": layer, "ms": ms, "weight_bytes": 4096, "weight_gb_s": 1.5,
              "vs_bf16": 2.0} for layer in ("bfloat16", "Q4_K")]
-    (results / name).write_text(json.dumps({"machine": f"{cpu} (tier {tier}), run at ISA tier {tier}, torch 2.13.0+cpu",
-                                            "date": "2030-01-02", "threads": 2, "results": rows}))
+    machine = f"{cpu} (tier {tier}), run at ISA tier {run_at or tier}, torch 2.13.0+cpu"
+    (results / name).write_text(json.dumps({"machine": machine, "date": "2030-01-02", "threads": 2, "results": rows}))
 
 
 def test_quant_linear_gives_each_cpu_its_own_table(tmp_path: Path) -> None:
-    """Runs on two machines are never columns of one table under one machine's name."""
+    """Runs on two machines are never columns of one table under one machine's name, also when
+    the CPUs share a name and differ only in their own tier (AMD EPYC Zen 3 and Zen 5)."""
     _write_quant_linear(tmp_path, "quant_linear.json", "Intel Test", "amx", 0.125)
-    _write_quant_linear(tmp_path, "quant_linear_avx2.json", "Intel Test", "avx2", 0.25)
+    _write_quant_linear(tmp_path, "quant_linear_avx2.json", "Intel Test", "amx", 0.25, run_at="avx2")
+    _write_quant_linear(tmp_path, "quant_linear_zen3.json", "AMD Test", "avx2", 0.75)
     _write_quant_linear(tmp_path, "quant_linear_zen5.json", "AMD Test", "avx512_bf16", 0.5)
     text = report_docs.render_quant_linear(tmp_path)
-    intel, amd = text.split("\n\nFrom ")
+    intel, zen3, zen5 = text.split("\n\nFrom ")
     assert "CPU: Intel Test" in intel and "quant_linear_avx2.json" in intel and "AMD" not in intel
     assert "amx: ms" in intel and "avx2: ms" in intel and "0.125" in intel and "0.250" in intel
-    assert "AMD Test" in amd and "quant_linear_zen5.json" in amd and "Intel" not in amd
-    assert "avx512_bf16: ms" in amd and "0.500" in amd and "amx" not in amd
+    assert "quant_linear_zen3.json" in zen3 and "avx2: ms" in zen3 and "0.750" in zen3 and "0.500" not in zen3
+    assert "AMD Test" in zen5 and "quant_linear_zen5.json" in zen5 and "Intel" not in zen5
+    assert "avx512_bf16: ms" in zen5 and "0.500" in zen5 and "amx" not in zen5 and "0.750" not in zen5
