@@ -23,9 +23,9 @@ from radixserve.tokenizer import load_tokenizer
 from radixserve.worker.worker import FAIL_ON_TOKEN_ENV
 
 STREAMS = 16
-NEW_TOKENS = 1000  # long enough that every stream is mid-way when the engine dies
-STOP_AFTER = 700  # the stop-string stream's min_new_tokens: its stop completes after the restart
-# room for every stream's whole context (16 x ~1,020 tokens), so nothing is retracted
+NEW_TOKENS = 400  # long enough that every stream is mid-way when the engine dies
+STOP_AFTER = 280  # the stop-string stream's min_new_tokens: its stop completes after the restart
+# room for every stream's whole context (16 x ~420 tokens), so nothing is retracted
 OPTIONS = ("--kv-pages", "8192")
 
 

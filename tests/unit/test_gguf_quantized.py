@@ -24,7 +24,8 @@ from dataclasses import replace
 
 import pytest
 import torch
-from paged_run import PagedRun, greedy
+from paged_run import PagedRun, greedy_each
+from transformers import PreTrainedTokenizerBase
 
 from bench.gguf_models import cached_model
 from radixserve.kernels import cpu as cpu_kernels
@@ -96,22 +97,28 @@ def test_resident_weights_are_the_files_size(quantized) -> None:
     assert resident <= 1.1 * file_bytes, f"{resident / 2**20:.1f} MiB resident, the file's tensors {file_bytes / 2**20:.1f} MiB"
 
 
-def _free_running_agreement(quantized, dequantized, label: str) -> float:
-    """Share of the greedy tokens equal to the dequantized model's, over QUESTIONS, each answer
-    counted up to its first difference (after it the two texts go their own ways)."""
+def _prompts(dequantized) -> tuple[PreTrainedTokenizerBase, list[list[int]]]:
     tok = load_tokenizer(dequantized.path)
+    return tok, [apply_chat_template(tok, [{"role": "user", "content": q}]) for q in QUESTIONS]
+
+
+def _free_running_agreement(quantized, tok: PreTrainedTokenizerBase, prompts: list[list[int]], answers: list[list[int]],
+                            label: str) -> float:
+    """Share of the quantized model's greedy tokens equal to the dequantized model's `answers`,
+    over QUESTIONS, each answer counted up to its first difference (after it the two texts go
+    their own ways)."""
     agreed = 0
-    for question in QUESTIONS:
-        prompt = apply_chat_template(tok, [{"role": "user", "content": question}])
-        ours, ref = (greedy(m.model, [prompt], NEW_TOKENS, num_pages=16) for m in (quantized, dequantized))
-        same = next((i for i, (a, b) in enumerate(zip(ours, ref, strict=True)) if a != b), NEW_TOKENS)
+    ours = greedy_each(quantized.model, prompts, NEW_TOKENS)
+    for question, mine, ref in zip(QUESTIONS, ours, answers, strict=True):
+        same = next((i for i, (a, b) in enumerate(zip(mine, ref, strict=True)) if a != b), NEW_TOKENS)
         agreed += same
-        print(f"{label} {question!r}: {same}/{NEW_TOKENS} equal; {tok.decode(ours)!r}")
+        print(f"{label} {question!r}: {same}/{NEW_TOKENS} equal; {tok.decode(mine)!r}")
     return agreed / (NEW_TOKENS * len(QUESTIONS))
 
 
-def _teacher_forced(quantized, dequantized, label: str) -> tuple[float, float]:
-    """The dequantized model's greedy answer to each of QUESTIONS, read by both models in one
+def _teacher_forced(quantized, dequantized, prompts: list[list[int]], answers: list[list[int]],
+                    label: str) -> tuple[float, float]:
+    """The dequantized model's greedy `answers` to QUESTIONS, each read by both models in one
     forward over prompt + answer: the share of answer positions where the quantized model's top
     token is the answer's, and the logits' relative error (Frobenius) over those positions.
     Free-running output is no measure for the 4-bit formats: their int8 activations round
@@ -119,12 +126,9 @@ def _teacher_forced(quantized, dequantized, label: str) -> tuple[float, float]:
     first near-tie that flips, and with it the count, moves from tier to tier. Rows alone and
     in a batch are bit-identical (test_quant_linear.py), so this is what decoding computes;
     a prompt and its answer stay under WIDEN_ROWS rows, so the quantized kernels throughout."""
-    tok = load_tokenizer(dequantized.path)
     agreed = total = 0
     error, norm = 0.0, 0.0
-    for question in QUESTIONS:
-        prompt = apply_chat_template(tok, [{"role": "user", "content": question}])
-        answer = greedy(dequantized.model, [prompt], NEW_TOKENS, num_pages=16)
+    for question, prompt, answer in zip(QUESTIONS, prompts, answers, strict=True):
         logits = []
         for m in (quantized, dequantized):
             run = PagedRun(m.model, num_pages=16)
@@ -138,12 +142,14 @@ def _teacher_forced(quantized, dequantized, label: str) -> tuple[float, float]:
 
 
 def _check_format(quantized, dequantized, file_type: str) -> None:
-    share, error = _teacher_forced(quantized, dequantized, file_type)
+    tok, prompts = _prompts(dequantized)
+    answers = greedy_each(dequantized.model, prompts, NEW_TOKENS)  # decoded together, as a server does
+    share, error = _teacher_forced(quantized, dequantized, prompts, answers, file_type)
     print(f"{file_type}: top-token agreement {share:.3f}, logits relative error {error:.2e}")
     assert error <= LOGITS_ERROR[file_type]
     assert share >= TOP_TOKEN_AGREEMENT[file_type]
     if file_type == "Q8_0":  # free-running too: every token of every answer
-        assert _free_running_agreement(quantized, dequantized, file_type) == 1.0
+        assert _free_running_agreement(quantized, tok, prompts, answers, file_type) == 1.0
 
 
 def test_greedy_agrees_with_the_dequantized_model(quantized, dequantized) -> None:
