@@ -238,7 +238,7 @@ def serve(config: ServerConfig) -> int:
     from radixserve.http.drain import ERROR_GRACE_S, DrainingServer
     from radixserve.launch import Backend, StartupError
     from radixserve.placement import pin_current_process
-    from radixserve.tokenizer import load_tokenizer
+    from radixserve.tokenizer import import_in_background, load_tokenizer
 
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     sock = _bind(config.host, config.port)  # before the model loads: a taken port fails in a second
@@ -249,7 +249,9 @@ def serve(config: ServerConfig) -> int:
     backend = Backend(config)
     state = None  # the app's ServerState, once it exists
     try:
+        importing = import_in_background()
         ready = backend.start()
+        importing.join()
         if backend.placement.service_cpus is not None:  # the front keeps off the worker's cores
             pin_current_process(backend.placement.service_cpus)
         app = create_app(config, backend, ready, load_tokenizer(ready.model_path))

@@ -25,7 +25,7 @@ from radixserve.front.types import GenerateRequest, RequestFailed
 from radixserve.front.validation.inputs import build_prefix, build_requests, check_pin_options
 from radixserve.front.validation.limits import request_limits
 from radixserve.launch import Backend
-from radixserve.tokenizer import load_tokenizer
+from radixserve.tokenizer import import_in_background, load_tokenizer
 
 _DONE = object()
 
@@ -39,7 +39,9 @@ class Engine:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="radixserve-front", daemon=True)
         self._closed = False
+        importing = import_in_background()
         self.ready = self._backend.start()
+        importing.join()
         try:
             self.tokenizer = load_tokenizer(self.ready.model_path)
             self.limits = request_limits(self.config, self.ready, self.tokenizer)

@@ -15,6 +15,7 @@ context, and the server refuses it without tokenizing.
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -26,6 +27,20 @@ if TYPE_CHECKING:
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 # Message keys besides role/content that OpenAI clients send and chat templates may read.
 _PASSTHROUGH_KEYS = ("name", "tool_calls", "tool_call_id")
+
+
+def import_in_background() -> threading.Thread:
+    """Starts importing transformers' tokenizer classes in a thread, and returns the thread: the
+    import takes seconds, so a front runs it while the engine's processes start rather than
+    after them. transformers' lazy module is not safe to import from two threads at once, so
+    join the thread before anything else imports transformers (`load_tokenizer` does)."""
+    thread = threading.Thread(target=_import_auto_tokenizer, name="radixserve-import-transformers", daemon=True)
+    thread.start()
+    return thread
+
+
+def _import_auto_tokenizer() -> None:
+    from transformers import AutoTokenizer  # noqa: F401
 
 
 def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
