@@ -36,7 +36,9 @@ def tokenizer(model):
 
 
 def _options(page_size: int, *extra: str) -> tuple[str, ...]:
-    return ("--dtype", "float32", "--page-size", str(page_size), "--chunk-size", "64", "--debug-checks", *extra)
+    """A pool of 16,384 tokens: --debug-checks walks every page after every step."""
+    return ("--dtype", "float32", "--page-size", str(page_size), "--kv-pages", str(16384 // page_size),
+            "--chunk-size", "64", "--debug-checks", *extra)
 
 
 @pytest.fixture(scope="module", params=[1, 16], ids=["page1", "page16"])

@@ -93,7 +93,8 @@ def test_greedy_seeded_stop_strings_and_n_are_unchanged(tiny_dir, echo_dir, page
         {"max_new_tokens": 40, "temperature": 0.7, "seed": 3, "n": 2, "ignore_eos": True},
     ]
     options = {"page_size": page_size, "kv_pages": 8192 // page_size}
-    for model in (tiny_dir, echo_dir):
+    # the random model drafts little (its rejections are the echo model's too): one page size
+    for model in (tiny_dir, echo_dir) if page_size == 1 else (echo_dir,):
         plain = _outputs(model, options, params)
         spec = _outputs(model, {**options, **SPEC}, params)
         accepted = _same(plain, spec)
@@ -187,7 +188,7 @@ def test_the_default_model_quoting_its_document_is_unchanged_and_drafts_are_acce
     outs = []
     for extra in ({}, SPEC):
         with Engine(model="default", dtype="float32", page_size=page_size, chunk_size=256, **extra) as engine:
-            outs.append([engine.generate(p, params) for p in prompts])
+            outs.append(engine.generate(prompts, [params] * len(prompts)))
     assert _same(*outs) > 10
     assert outs[1][0]["meta_info"]["spec_accepted_tokens"] > 10  # the quote is drafted from the document
 
@@ -211,5 +212,5 @@ def test_bf16_on_the_cpu_is_unchanged_too():
     outs = []
     for extra in ({}, SPEC):
         with Engine(model="default", dtype="bfloat16", **extra) as engine:
-            outs.append([engine.generate(p, params) for p in prompts])
+            outs.append(engine.generate(prompts, [params] * len(prompts)))
     assert _same(*outs) > 0  # and drafts were kept
