@@ -22,7 +22,7 @@ import sys
 import types
 import typing
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from radixserve.config import (
     ATTENTION_BACKENDS,
@@ -212,7 +212,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command != "serve":
         parser.print_help(sys.stderr)
         return 2
-    return serve(config_from_args(args, parser))
+    _exit_without_teardown(serve(config_from_args(args, parser)))
+
+
+def _exit_without_teardown(code: int) -> NoReturn:
+    """Ends the server's process once `serve` has stopped all it started (the engine's processes
+    joined, their socket folder removed, the port closed). Python's teardown of the modules a
+    server imports, torch among them, takes longer than that whole shutdown, and whatever
+    restarts the server (a supervisor, a rolling deploy, a test suite) waits for it."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 # ---------------------------------------------------------------------- serve

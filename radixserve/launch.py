@@ -200,17 +200,17 @@ class Backend:
         if self._stopping:
             return
         self._stopping = True
-        # the scheduler first: with a disk tier it has the worker write the pool's cached pages
-        # back before it exits, and the worker writes what is queued before it does
-        deadline = time.monotonic() + timeout
+        # the scheduler stops the worker: with a disk tier it first has the worker write the
+        # pool's cached pages back, and the worker writes what is queued before it exits. Only a
+        # scheduler that did not exit cleanly leaves the worker for the front to stop.
+        deadline = time.monotonic() + timeout + (DISK_WRITE_BACK_S if self.config.kv_disk_dir else 0.0)
         for proc, addr in ((self.scheduler, self.endpoints.front_to_scheduler), (self.worker, self.endpoints.scheduler_to_worker)):
-            if proc.is_alive():
+            if proc.is_alive() and (proc is self.scheduler or self.scheduler.exitcode != 0):
                 sender = Sender(zmq.Context.instance(), addr, bind=False)
                 sender.send(Shutdown())
                 sender.socket.close(linger=1000)  # LINGER 0 would drop the message unsent
             if proc.pid is not None:
-                grace = DISK_WRITE_BACK_S if self.config.kv_disk_dir else 0.0
-                proc.join(max(0.0, deadline + grace - time.monotonic()))
+                proc.join(max(0.0, deadline - time.monotonic()))
         self._kill_all()
         if self._watch_thread is not None and self._watch_thread is not threading.current_thread():
             self._watch_thread.join(timeout)  # a restart in progress sees _stopping and ends

@@ -77,6 +77,9 @@ def run_scheduler(config: ServerConfig, endpoints: Endpoints) -> None:
                     write_back = scheduler.write_back_cache()  # the disk tier keeps the pool's pages
                     if write_back is not None:
                         forward(write_back)
+                    # the worker's last message: it exits beside this process, not after it
+                    to_worker.send(Shutdown())
+                    to_worker.socket.close(linger=1000)  # LINGER 0 would drop it unsent
                     return
                 _handle(scheduler, msg, to_front)
                 msg = from_front.recv(timeout_ms=0)

@@ -258,6 +258,17 @@ def test_chunked_prefill_and_page_size_1(tiny_dir):
         assert_pages_balanced(eng)
 
 
+def test_shutdown_ends_the_scheduler_and_the_worker_cleanly(tiny_dir):
+    """The scheduler stops the worker as it exits, so neither waits out the front's deadline
+    (a process still there at its end is killed: exit code -9)."""
+    engine = Engine(model=str(tiny_dir), dtype="float32", kv_pages=64)
+    processes = engine._backend.processes
+    started = time.monotonic()
+    engine.shutdown()
+    assert [p.exitcode for p in processes] == [0, 0]
+    assert time.monotonic() - started < 5  # the front's deadline for the two
+
+
 def test_killed_worker_resumes_a_generate_in_progress(tiny_dir):
     """The worker dies mid-request: a fresh engine takes over and the call returns the text it
     would have returned anyway (tests/server/test_recovery.py does this over HTTP, at length)."""

@@ -88,7 +88,8 @@ def test_signal_drains_in_flight_requests_and_exits_without_orphans(tiny_dir, tm
 
 def test_sigterm_refuses_new_requests_with_503_while_the_stream_in_flight_finishes(tiny_dir, tmp_path):
     server = _start(tiny_dir, tmp_path, "--shutdown-timeout", "60")
-    thread, result = _stream_in_thread(server.url, {"text": "hello", "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}})
+    # long enough to be in flight through the checks below, which take well under a second
+    thread, result = _stream_in_thread(server.url, {"text": "hello", "sampling_params": {"max_new_tokens": 600, "ignore_eos": True}})
     _wait_for(lambda: result["events"], 30, "the first streamed token")
     server.proc.send_signal(signal.SIGTERM)
     _wait_for(lambda: "draining" in server.log(), 10, "the drain to start")
@@ -105,7 +106,7 @@ def test_sigterm_refuses_new_requests_with_503_while_the_stream_in_flight_finish
     assert result["status"] == 200 and result["done"], result
     final = result["events"][-1].get("meta_info")
     assert final is not None, (result["events"][-1], server.log()[-3000:])
-    assert final["finish_reason"]["type"] == "length" and final["completion_tokens"] == 1500, final
+    assert final["finish_reason"]["type"] == "length" and final["completion_tokens"] == 600, final
 
 
 @pytest.mark.parametrize("how", ["second_signal", "timeout"])
