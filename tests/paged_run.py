@@ -71,8 +71,9 @@ def greedy(model: LlamaForCausalLM, chunks: list[list[int]], new_tokens: int, pa
 def greedy_each(model: LlamaForCausalLM, prompts: list[list[int]], new_tokens: int, page_size: int = 16,
                 num_pages: int = 64) -> list[list[int]]:
     """`greedy` for each of `prompts`, their decode steps batched (one forward a step for all of
-    them, as a server decodes): each prompt's prefill is a forward of its own, and a row's
-    logits do not depend on the rows beside it, so each answer is the one `greedy` gives."""
+    them, as a server decodes), each prompt's prefill a forward of its own. Where a row's logits
+    do not depend on the rows beside it (the CPU kernels' linears and decode attention), each
+    answer is the one `greedy` gives."""
     run = PagedRun(model, page_size, num_pages)
     rids = [run.add_request() for _ in prompts]
     logits = {r: run.forward({r: p})[r][-1] for r, p in zip(rids, prompts, strict=True)}

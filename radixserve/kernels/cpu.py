@@ -83,7 +83,7 @@ def _build(compiler: str, target: Path, sources: list[Path] | None = None,
     (concurrent workers may build at once). Compiling and linking are separate steps so that
     -ffast-math never reaches the link (see COMPILE_FLAGS). The sources compile in parallel, a
     compiler per core: at -O3 with the wide tiers' unrolled paths, paged_decode.c and
-    quant_linear.c take most of the build each, and a first start waits for it."""
+    quant_linear.c each take far longer than the rest, and a first start waits for the build."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         sources = sources or _sources()
