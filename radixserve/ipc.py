@@ -68,6 +68,13 @@ class Sender:
     def send(self, msg: msgspec.Struct) -> None:
         self.socket.send(self._encoder.encode(msg), copy=False)
 
+    def send_last(self, msg: msgspec.Struct) -> None:
+        """Send `msg`, then close the socket, leaving it up to a second to go out: with the
+        channel's LINGER 0, a process that exits (or a socket closed) right after a send would
+        drop the message unsent."""
+        self.send(msg)
+        self.socket.close(linger=1000)
+
 
 class Receiver(Generic[T]):
     """PULL side of a channel: decodes only the message types of its channel."""

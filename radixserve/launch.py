@@ -206,9 +206,7 @@ class Backend:
         deadline = time.monotonic() + timeout + (DISK_WRITE_BACK_S if self.config.kv_disk_dir else 0.0)
         for proc, addr in ((self.scheduler, self.endpoints.front_to_scheduler), (self.worker, self.endpoints.scheduler_to_worker)):
             if proc.is_alive() and (proc is self.scheduler or self.scheduler.exitcode != 0):
-                sender = Sender(zmq.Context.instance(), addr, bind=False)
-                sender.send(Shutdown())
-                sender.socket.close(linger=1000)  # LINGER 0 would drop the message unsent
+                Sender(zmq.Context.instance(), addr, bind=False).send_last(Shutdown())
             if proc.pid is not None:
                 proc.join(max(0.0, deadline - time.monotonic()))
         self._kill_all()

@@ -77,9 +77,7 @@ def run_scheduler(config: ServerConfig, endpoints: Endpoints) -> None:
                     write_back = scheduler.write_back_cache()  # the disk tier keeps the pool's pages
                     if write_back is not None:
                         forward(write_back)
-                    # the worker's last message: it exits beside this process, not after it
-                    to_worker.send(Shutdown())
-                    to_worker.socket.close(linger=1000)  # LINGER 0 would drop it unsent
+                    to_worker.send_last(Shutdown())  # the worker exits beside this process, not after it
                     return
                 _handle(scheduler, msg, to_front)
                 msg = from_front.recv(timeout_ms=0)
@@ -107,8 +105,7 @@ def run_scheduler(config: ServerConfig, endpoints: Endpoints) -> None:
 def _report_failure(to_front: Sender, message: str, scheduler: Scheduler) -> None:
     """The last message to the front: what failed and which submissions were in the step (the
     front blames them, so a request that fails the engine twice fails alone)."""
-    to_front.send(EngineFailed(message, scheduler.in_flight_rids()))
-    to_front.socket.close(linger=1000)  # LINGER 0 would drop it unsent as the process exits
+    to_front.send_last(EngineFailed(message, scheduler.in_flight_rids()))
 
 
 def _handle(scheduler: Scheduler, msg: object, to_front: Sender) -> None:
