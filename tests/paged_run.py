@@ -61,11 +61,7 @@ def greedy(model: LlamaForCausalLM, chunks: list[list[int]], new_tokens: int, pa
     r = run.add_request()
     for chunk in chunks:
         logits = run.forward({r: chunk})[r][-1]
-    out: list[int] = []
-    for _ in range(new_tokens):
-        out.append(int(logits.argmax()))
-        logits = run.forward({r: [out[-1]]})[r][-1]
-    return out
+    return _decode_greedy(run, {r: logits}, new_tokens)[r]
 
 
 def greedy_each(model: LlamaForCausalLM, prompts: list[list[int]], new_tokens: int, page_size: int = 16,
@@ -77,9 +73,16 @@ def greedy_each(model: LlamaForCausalLM, prompts: list[list[int]], new_tokens: i
     run = PagedRun(model, page_size, num_pages)
     rids = [run.add_request() for _ in prompts]
     logits = {r: run.forward({r: p})[r][-1] for r, p in zip(rids, prompts, strict=True)}
-    out: dict[int, list[int]] = {r: [] for r in rids}
-    for _ in range(new_tokens):
-        for r in rids:
-            out[r].append(int(logits[r].argmax()))
-        logits = {r: row[-1] for r, row in run.forward({r: [out[r][-1]] for r in rids}).items()}
+    out = _decode_greedy(run, logits, new_tokens)
     return [out[r] for r in rids]
+
+
+def _decode_greedy(run: PagedRun, logits: dict[int, torch.Tensor], new_tokens: int) -> dict[int, list[int]]:
+    """From each request's last logits, `new_tokens` greedy tokens, one decode step a token for
+    all of them together."""
+    out: dict[int, list[int]] = {r: [] for r in logits}
+    for _ in range(new_tokens):
+        for r, row in logits.items():
+            out[r].append(int(row.argmax()))
+        logits = {r: rows[-1] for r, rows in run.forward({r: [out[r][-1]] for r in out}).items()}
+    return out
