@@ -246,6 +246,51 @@ def test_matches_the_integer_reference(cpu_tier, name):
                         _assert_fp32_order_close(got, want, magnitude, k // qtype.block_size)
 
 
+def _extreme_blocks(qtype: QuantType, n: int, k: int, rng: np.random.Generator) -> torch.Tensor:
+    """Weights whose integers are all at the format's ends, uint8 [n, k / block * bytes]: per
+    column all high, all low, or each byte one of the two at random; the scales and mins at
+    their largest too (Q4_K's 6-bit 63, Q6_K's int8 127 and -128), the fp16 scales small."""
+    high, low = (0x7F, 0x80) if qtype.name == "Q8_0" else (0xFF, 0x00)
+    blocks = np.empty((n, k // qtype.block_size, qtype.block_bytes), dtype=np.uint8)
+    for col in range(n):
+        pattern = col % 3
+        if pattern == 2:
+            blocks[col] = np.where(rng.random(blocks.shape[1:]) < 0.5, high, low)
+        else:
+            blocks[col] = high if pattern == 0 else low
+    fp16 = np.full(blocks.shape[:2] + (1,), 1e-3, dtype=np.float16).view(np.uint8)
+    if qtype.name == "Q6_K":
+        blocks[..., 192:208] = np.where(rng.random(blocks.shape[:2] + (16,)) < 0.5, 0x7F, 0x80)
+        blocks[..., 208:210] = fp16
+    else:
+        blocks[..., 0:2] = fp16
+        if qtype.name in ("Q4_1", "Q4_K"):
+            blocks[..., 2:4] = fp16
+        if qtype.name == "Q4_K":
+            blocks[..., 4:16] = 0xFF
+    return torch.from_numpy(blocks.reshape(n, -1).copy())
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_integer_sums_at_their_extremes(cpu_tier, name):
+    """The kernels sum byte products in 16-bit lanes where the format's ranges allow: with every
+    weight and activation at its end (activations of one magnitude quantize to +-127 each), no
+    lane may overflow or saturate."""
+    _require_library()
+    qtype = QUANT_TYPES[name]
+    rng = np.random.default_rng(400 + qtype.ggml_type)
+    k, n = _in_features(qtype)[1], 33
+    blocks = _extreme_blocks(qtype, n, k, rng)
+    packed = pack_quantized(blocks, qtype)
+    signs = np.where(rng.random((1, k)) < 0.5, -1.0, 1.0)
+    x = torch.from_numpy(np.concatenate([np.ones((1, k)), -np.ones((1, k)), signs, -signs]).astype(np.float32))
+    want, magnitude = _integer_reference(x, blocks, qtype, None)
+    for weight in (packed, blocks):
+        for rows in (x, x[:1]):
+            got = quant_linear(rows, weight, qtype, k, n)
+            _assert_fp32_order_close(got, want[:rows.shape[0]], magnitude[:rows.shape[0]], k // qtype.block_size)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_close_to_dequantize_then_matmul(name):
     """The rounding of the activations, within the format's measured tolerance."""

@@ -1196,8 +1196,67 @@ UNROLL(8)
 }
 
 /* The sub-block dot products of one K-quant group block for M rows (1..4), each sub-block's
- * chunks decoded once for all of them: dot[i] = sum over sub-blocks s, in order, of s's integer
- * scale times the dot of its chunks with row i's activations. */
+ * chunks decoded once for all of them: dot[i] = sum over sub-blocks s of s's integer scale
+ * times the dot of its chunks with row i's activations (exact in int32, so any order of the
+ * integer sums gives the same dot). */
+#if defined(QL_AVX2)
+/* AVX2 has 16 vector registers, and a 16-lane V takes two: four rows' sums, a sub-block's
+ * chunks and its scales do not fit at once. So one half of the group's columns (8 lanes) at a
+ * time, and the chunks' byte products summed in int16 (vpmaddubsw, vpaddw) over K_RUN chunks,
+ * then widened against the sub-block's scale by one vpmaddwd: one multiply per 32 products,
+ * where v_dot and v_mul take two and a 32-bit multiply per sub-block. K_RUN is as many chunks
+ * as an int16 lane can sum without overflow, the activations being within +-127: Q4_K
+ * 8 x 2 x 15 x 127 = 30480, Q6_K 2 x 2 x 63 x 127 = 32004. */
+#define K_RUN(QT) ((QT) == QT_Q4_K ? 8 : 2)
+static ALWAYS_INLINE void k_dots(const uint8_t *blk, const group_head *h, const act_row *x, int64_t b, const int M,
+                                 const int QT, V dot[4]) {
+    const int subs = QT == QT_Q4_K ? 8 : 16, per = 64 / subs, run = K_RUN(QT);
+#pragma GCC unroll 1
+    for (int hi = 0; hi < 2; hi++) {
+        const uint8_t *half = blk + 32 * hi; /* a chunk's half: the first 32 of its 64 bytes here */
+        __m256i sum[4];
+        const int8_t *xq[4];
+UNROLL(4)
+        for (int i = 0; i < M; i++) {
+            sum[i] = _mm256_setzero_si256();
+            /* opaque to the compiler: else it computes the activations' broadcasts once for both
+             * halves, before the loop, and keeps all 256 of them on the stack */
+            xq[i] = x[i].q + 256 * b;
+            __asm__("" : "+r"(xq[i]));
+        }
+UNROLL(16)
+        for (int s = 0; s < subs; s++) {
+            /* the scale as an int16 pair in each lane (Q6_K's are signed) */
+            const __m256i sc = ((const __m256i *)&h->sc[s])[hi];
+            const __m256i sc16 = _mm256_or_si256(_mm256_and_si256(sc, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(sc, 16));
+UNROLL(4)
+            for (int c0 = 0; c0 < per; c0 += run) {
+                __m256i part[4];
+UNROLL(8)
+                for (int c = c0; c < c0 + run; c++) {
+                    const __m256i w = chunk_of(half, QT, per * s + c).a;
+UNROLL(4)
+                    for (int i = 0; i < M; i++) {
+                        const __m256i xb = _mm256_set1_epi32(word_at(xq[i] + 4 * (per * s + c)));
+                        const __m256i products = _mm256_maddubs_epi16(w, xb);
+                        part[i] = c == c0 ? products : _mm256_add_epi16(part[i], products);
+                        /* summed in this order (and `sum` below): else the compiler makes a tree
+                         * of the sums, computing every product first, and spills them */
+                        __asm__("" : "+x"(part[i]));
+                    }
+                }
+UNROLL(4)
+                for (int i = 0; i < M; i++) {
+                    sum[i] = _mm256_add_epi32(sum[i], _mm256_madd_epi16(part[i], sc16));
+                    __asm__("" : "+x"(sum[i]));
+                }
+            }
+        }
+UNROLL(4)
+        for (int i = 0; i < M; i++) ((__m256i *)&dot[i])[hi] = sum[i];
+    }
+}
+#else
 static ALWAYS_INLINE void k_dots(const uint8_t *blk, const group_head *h, const act_row *x, int64_t b, const int M,
                                  const int QT, V dot[4]) {
     const int subs = QT == QT_Q4_K ? 8 : 16, per = 64 / subs; /* sub-blocks, chunks in each */
@@ -1218,6 +1277,7 @@ UNROLL(8)
         }
     }
 }
+#endif
 
 /* One row's contribution of one K-quant group block, from its sub-block dot product: acc
  * updated (Q4_K: less the mins' term; Q6_K: less the offset of 32). */
@@ -1235,14 +1295,71 @@ static ALWAYS_INLINE F k_block(V dot, const group_head *h, const act_row *x, int
     return f_fma(f_mul(h->d, dx), f_cvt(dot), acc);
 }
 
-/* One row's contribution of one 32-value group block (Q4_0, Q4_1, Q8_0), its 8 chunks decoded:
- * acc updated. */
-static ALWAYS_INLINE F q32_block(const V chunk[8], const group_head *h, const act_row *x, int64_t b, const int QT,
-                                 F acc) {
-    const int8_t *xq = x->q + 32 * b;
-    V dot = QT == QT_Q4_0 ? v_i32(-8 * x->isum[b]) : QT == QT_Q8_0 ? v_i32(-Q8_BIAS * x->isum[b]) : v_i32(0);
+/* The dot products of one 32-value group block (Q4_0, Q4_1, Q8_0) for M rows (1..4), its
+ * chunks decoded once for all of them, exact in int32 (Q4_0: less 8 x the activations' sum, the
+ * 8 of q - 8). */
+#if defined(QL_AVX2)
+/* As k_dots: one half of the columns at a time, each sum in a register. Q4_0 and Q4_1 sum a
+ * block's byte products in int16 (8 x 2 x 15 x 127 = 30480) and widen them once; Q8_0's
+ * products (up to 2 x 128 x 127 in an int16 lane) are widened one chunk at a time. */
+static ALWAYS_INLINE void q32_dots(const uint8_t *blk, const act_row *x, int64_t b, const int M, const int QT, V dot[4]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+#pragma GCC unroll 1
+    for (int hi = 0; hi < 2; hi++) {
+        const uint8_t *half = blk + 32 * hi;
+        __m256i sum[4];
+        const int8_t *xq[4];
+UNROLL(4)
+        for (int i = 0; i < M; i++) {
+            sum[i] = QT == QT_Q4_0 ? _mm256_set1_epi32(-8 * x[i].isum[b]) : _mm256_setzero_si256();
+            xq[i] = x[i].q + 32 * b;
+            __asm__("" : "+r"(xq[i])); /* see k_dots */
+        }
+        __m256i part[4];
 UNROLL(8)
-    for (int c = 0; c < 8; c++) dot = QT == QT_Q8_0 ? v_dot_q8(dot, chunk[c], xq + 4 * c) : v_dot(dot, chunk[c], xq + 4 * c);
+        for (int c = 0; c < 8; c++) {
+            const __m256i w = chunk_of(half, QT, c).a;
+            /* Q8_0: q = w - 128, multiplied as |q| by x with q's sign */
+            const __m256i q = _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80)), magnitude = _mm256_sign_epi8(q, q);
+UNROLL(4)
+            for (int i = 0; i < M; i++) {
+                const __m256i xb = _mm256_set1_epi32(word_at(xq[i] + 4 * c));
+                if (QT == QT_Q8_0) {
+                    const __m256i products = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xb, q));
+                    sum[i] = _mm256_add_epi32(sum[i], _mm256_madd_epi16(products, ones));
+                    __asm__("" : "+x"(sum[i])); /* see k_dots */
+                } else {
+                    const __m256i products = _mm256_maddubs_epi16(w, xb);
+                    part[i] = c == 0 ? products : _mm256_add_epi16(part[i], products);
+                    __asm__("" : "+x"(part[i]));
+                }
+            }
+        }
+UNROLL(4)
+        for (int i = 0; i < M; i++) {
+            if (QT != QT_Q8_0) sum[i] = _mm256_add_epi32(sum[i], _mm256_madd_epi16(part[i], ones));
+            ((__m256i *)&dot[i])[hi] = sum[i];
+        }
+    }
+}
+#else
+static ALWAYS_INLINE void q32_dots(const uint8_t *blk, const act_row *x, int64_t b, const int M, const int QT, V dot[4]) {
+    V chunk[8];
+UNROLL(8)
+    for (int c = 0; c < 8; c++) chunk[c] = chunk_of(blk, QT, c);
+UNROLL(4)
+    for (int i = 0; i < M; i++) {
+        const int8_t *xq = x[i].q + 32 * b;
+        V d = QT == QT_Q4_0 ? v_i32(-8 * x[i].isum[b]) : QT == QT_Q8_0 ? v_i32(-Q8_BIAS * x[i].isum[b]) : v_i32(0);
+UNROLL(8)
+        for (int c = 0; c < 8; c++) d = QT == QT_Q8_0 ? v_dot_q8(d, chunk[c], xq + 4 * c) : v_dot(d, chunk[c], xq + 4 * c);
+        dot[i] = d;
+    }
+}
+#endif
+
+/* One row's contribution of one 32-value group block, from its dot product: acc updated. */
+static ALWAYS_INLINE F q32_block(V dot, const group_head *h, const act_row *x, int64_t b, const int QT, F acc) {
     acc = f_fma(f_mul(h->d, f_set1(x->d[b])), f_cvt(dot), acc);
     if (QT == QT_Q4_1) acc = f_fma(h->m, f_set1(x->s[b]), acc);
     return acc;
@@ -1266,18 +1383,15 @@ UNROLL(4)
         for (int64_t o = 0; o < gb; o += 64) __builtin_prefetch(blk + PREFETCH_BYTES + o);
         group_head h;
         head_of(blk, QT, &h);
-        if (QT == QT_Q4_K || QT == QT_Q6_K) {
-            V dot[4];
+        const int k_quant = QT == QT_Q4_K || QT == QT_Q6_K;
+        V dot[4];
+        if (k_quant)
             k_dots(blk, &h, x, b, M, QT, dot);
+        else
+            q32_dots(blk, x, b, M, QT, dot);
 UNROLL(4)
-            for (int i = 0; i < M; i++) acc[i] = k_block(dot[i], &h, x + i, b, QT, acc[i]);
-            continue;
-        }
-        V chunk[8];
-UNROLL(8)
-        for (int c = 0; c < 8; c++) chunk[c] = chunk_of(blk, QT, c);
-UNROLL(4)
-        for (int i = 0; i < M; i++) acc[i] = q32_block(chunk, &h, x + i, b, QT, acc[i]);
+        for (int i = 0; i < M; i++)
+            acc[i] = k_quant ? k_block(dot[i], &h, x + i, b, QT, acc[i]) : q32_block(dot[i], &h, x + i, b, QT, acc[i]);
     }
 UNROLL(4)
     for (int i = 0; i < M; i++) f_store(out[i], acc[i]);
