@@ -8,8 +8,11 @@ dequantize inside, over activations quantized per row to int8 blocks, as llama.c
 Q8_0's twice, the row and its residual, so that its greedy output is the dequantized model's).
 A forward of WIDEN_ROWS rows or more (a prefill chunk) instead widens each weight once and
 multiplies densely in the model's dtype: there the arithmetic, not the weight bytes, sets the
-pace. A row's output is the same whatever batch it is in, as long as the batch stays on one
-side of WIDEN_ROWS (speculation's checks and decode batches below it, prefill chunks above).
+pace. Except for the formats whose integer kernels outrun that dense matmul on this ISA tier
+(`prefills_on_kernels`: the 4-bit formats on AVX2, where the dense matmul is fp32), which stay on
+the kernels at any row count. A row's output is the same whatever batch it is in, as long as
+the batch stays on one side of WIDEN_ROWS (speculation's checks and decode batches below it,
+prefill chunks above).
 
 What is read from the file, by the GGUF's tensor names (`blk.N.attn_q.weight`, ...):
 - each linear layer's weight whose type the kernels serve (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K);
@@ -37,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixserve.kernels import isa
 from radixserve.kernels import quant_linear as qk
 from radixserve.kernels.quant_linear import QuantType
 from radixserve.models.config import ModelConfig
@@ -54,6 +58,11 @@ _GGUF_PARTS = {
 # block read, a dense matmul once many do (docs/models.md). Above the default
 # --max-running-requests, so every decode batch stays on the kernels.
 WIDEN_ROWS = 128
+# the formats whose kernels beat widening at any row count, per ISA tier: on AVX2 (no fast bf16
+# matmul, so widening means fp32 FMAs) the 4-bit formats' byte products, summed in int16, take
+# about half the time of the widened weight's matmul at 512 rows; Q8_0's and Q6_K's do not
+# (docs/models.md)
+_KERNEL_PREFILL = {isa.Tier.AVX2: frozenset({"Q4_0", "Q4_1", "Q4_K"})}
 # GGUF architectures whose q/k rows llama.cpp's converter permuted (transformers' LlamaTensorProcessor)
 _PERMUTED_ARCHITECTURES = frozenset({"llama"})
 
@@ -87,26 +96,32 @@ class QuantizedLinear(nn.Module):
             yield qtype, rows, getattr(self, f"blocks_{i}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() // self.in_features >= WIDEN_ROWS:
-            return self._widened(x)
+        parts = list(self._blocks())
+        widen = x.numel() // self.in_features >= WIDEN_ROWS
+        if widen and not any(prefills_on_kernels(qtype) for qtype, _, _ in parts):
+            return self._widened(x, parts, self.bias)
         outs, start = [], 0
-        for qtype, rows, blocks in self._blocks():
-            bias = None if self.bias is None else self.bias[start : start + rows].float()
-            outs.append(qk.quant_linear(x, blocks, qtype, self.in_features, rows, bias, self.out_dtype))
+        for qtype, rows, blocks in parts:
+            bias = None if self.bias is None else self.bias[start : start + rows]
+            if widen and not prefills_on_kernels(qtype):
+                outs.append(self._widened(x, [(qtype, rows, blocks)], bias))
+            else:
+                outs.append(qk.quant_linear(x, blocks, qtype, self.in_features, rows,
+                                            None if bias is None else bias.float(), self.out_dtype))
             start += rows
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
-    def _widened(self, x: torch.Tensor) -> torch.Tensor:
-        """A prefill chunk: the weight widened once for all its rows, then a dense matmul (bf16
-        where torch multiplies bf16 fast, from the avx512 tier up; fp32 below)."""
+    def _widened(self, x: torch.Tensor, parts: list[tuple[QuantType, int, torch.Tensor]],
+                 bias: torch.Tensor | None) -> torch.Tensor:
+        """A prefill chunk: these parts' weights widened once for all its rows, then one dense
+        matmul (bf16 where torch multiplies bf16 fast, from the avx512 tier up; fp32 below)."""
         dtype = torch.bfloat16 if x.dtype == torch.bfloat16 and onednn_packs() else torch.float32
-        weight = _widening_buffer(self.out_features, self.in_features, dtype)
+        weight = _widening_buffer(sum(rows for _, rows, _ in parts), self.in_features, dtype)
         start = 0
-        for qtype, rows, blocks in self._blocks():
+        for qtype, rows, blocks in parts:
             qk.dequantize_to(blocks, qtype, self.in_features, dtype, out=weight[start : start + rows])
             start += rows
-        bias = None if self.bias is None else self.bias.to(dtype)
-        out = F.linear(x.to(dtype), weight, bias)
+        out = F.linear(x.to(dtype), weight, None if bias is None else bias.to(dtype))
         return out.to(self.out_dtype or x.dtype)
 
     def dequantized_weight(self) -> torch.Tensor:
@@ -116,6 +131,12 @@ class QuantizedLinear(nn.Module):
     def extra_repr(self) -> str:
         kinds = "+".join(f"{q.name}x{rows}" for q, rows in self.parts)
         return f"in_features={self.in_features}, out_features={self.out_features} ({kinds}), bias={self.bias is not None}"
+
+
+def prefills_on_kernels(qtype: QuantType) -> bool:
+    """Whether a prefill chunk (WIDEN_ROWS rows or more) of this format stays on the quantized
+    kernels at this ISA tier, rather than widening the weight."""
+    return qtype.name in _KERNEL_PREFILL.get(isa.selected_tier(), frozenset())
 
 
 # one widened weight per (rows, cols, dtype), shared by every layer of that shape: first touching
