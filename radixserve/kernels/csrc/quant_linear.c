@@ -1016,6 +1016,7 @@ static ALWAYS_INLINE F f_fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
 static ALWAYS_INLINE F f_fnma(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
 static ALWAYS_INLINE void f_store(float *p, F v) { _mm512_storeu_ps(p, v); }
 #elif defined(QL_AVX2)
+/* (the integer dot products are k_dots' and q32_dots' own, over one half of V at a time) */
 typedef struct { __m256i a, b; } V;
 typedef struct { __m256 a, b; } F;
 #define V2(expr_a, expr_b) ((V){(expr_a), (expr_b)})
@@ -1031,7 +1032,6 @@ static ALWAYS_INLINE V v_sra(V x, const int n) { return V2(_mm256_srai_epi32(x.a
 static ALWAYS_INLINE V v_i32(int32_t c) { return V2(_mm256_set1_epi32(c), _mm256_set1_epi32(c)); }
 static ALWAYS_INLINE V v_add(V x, V y) { return V2(_mm256_add_epi32(x.a, y.a), _mm256_add_epi32(x.b, y.b)); }
 static ALWAYS_INLINE V v_sub(V x, V y) { return V2(_mm256_sub_epi32(x.a, y.a), _mm256_sub_epi32(x.b, y.b)); }
-static ALWAYS_INLINE V v_mul(V x, V y) { return V2(_mm256_mullo_epi32(x.a, y.a), _mm256_mullo_epi32(x.b, y.b)); }
 static ALWAYS_INLINE V v_s8_to_s16(const void *p) {
     return V2(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)),
               _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)((const char *)p + 16))));
@@ -1040,20 +1040,6 @@ static ALWAYS_INLINE int32_t word_at(const void *p) {
     int32_t v;
     memcpy(&v, p, 4);
     return v;
-}
-static ALWAYS_INLINE __m256i dot4(__m256i w, __m256i x) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
-}
-static ALWAYS_INLINE V v_dot(V acc, V w, const int8_t *x) {
-    const __m256i xb = _mm256_set1_epi32(word_at(x));
-    return V2(_mm256_add_epi32(acc.a, dot4(w.a, xb)), _mm256_add_epi32(acc.b, dot4(w.b, xb)));
-}
-#define Q8_BIAS 0
-static ALWAYS_INLINE V v_dot_q8(V acc, V w, const int8_t *x) {
-    const __m256i xb = _mm256_set1_epi32(word_at(x)), flip = _mm256_set1_epi8((char)0x80);
-    const __m256i qa = _mm256_xor_si256(w.a, flip), qb = _mm256_xor_si256(w.b, flip);
-    return V2(_mm256_add_epi32(acc.a, dot4(_mm256_sign_epi8(qa, qa), _mm256_sign_epi8(xb, qa))),
-              _mm256_add_epi32(acc.b, dot4(_mm256_sign_epi8(qb, qb), _mm256_sign_epi8(xb, qb))));
 }
 static ALWAYS_INLINE V v_dot16(V acc, V y, const int16_t *x) {
     const __m256i xb = _mm256_set1_epi32(word_at(x));
