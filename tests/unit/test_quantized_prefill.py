@@ -9,8 +9,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from gguf import GGMLQuantizationType
-from gguf.quants import quantize as gguf_quantize
 
 from radixserve.kernels import cpu as cpu_kernels
 from radixserve.kernels import isa
@@ -28,18 +26,16 @@ IN_FEATURES = 512
 
 
 def _part(name: str, rows: int, rng: np.random.Generator) -> tuple[QuantizedPart, torch.Tensor]:
-    """A part of `rows` outputs in format `name` (random valid blocks), and its file-layout blocks."""
+    """A K-quant part of `rows` outputs (random bytes, small fp16 scales), and its file-layout
+    blocks."""
     qtype = QUANT_TYPES[name]
-    if qtype.block_size == 32:
-        w = rng.standard_normal((rows, IN_FEATURES)).astype(np.float32) * 0.05
-        blocks = torch.from_numpy(np.ascontiguousarray(gguf_quantize(w, GGMLQuantizationType(qtype.ggml_type))))
+    raw = rng.integers(0, 256, size=(rows, IN_FEATURES // 256, qtype.block_bytes), dtype=np.uint8)
+    scale = np.full((rows, IN_FEATURES // 256, 1), 1e-3, dtype=np.float16).view(np.uint8)
+    if name == "Q4_K":
+        raw[..., 0:2], raw[..., 2:4] = scale, scale  # d, dmin
     else:
-        raw = rng.integers(0, 256, size=(rows, IN_FEATURES // 256, qtype.block_bytes), dtype=np.uint8)
-        scale = np.full((rows, IN_FEATURES // 256, 1), 1e-3, dtype=np.float16).view(np.uint8)
-        raw[..., (0 if name == "Q4_K" else 208):(2 if name == "Q4_K" else 210)] = scale
-        if name == "Q4_K":
-            raw[..., 2:4] = scale
-        blocks = torch.from_numpy(raw.reshape(rows, -1).copy())
+        raw[..., 208:210] = scale  # Q6_K's d
+    blocks = torch.from_numpy(raw.reshape(rows, -1).copy())
     return QuantizedPart(qtype, rows, pack_quantized(blocks, qtype)), blocks
 
 
