@@ -59,9 +59,9 @@ _GGUF_PARTS = {
 # --max-running-requests, so every decode batch stays on the kernels.
 WIDEN_ROWS = 128
 # the formats whose kernels beat widening at any row count, per ISA tier: on AVX2 (no fast bf16
-# matmul, so widening means fp32 FMAs) the 4-bit formats' byte products, summed in int16, take
-# about half the time of the widened weight's matmul at 512 rows; Q8_0's and Q6_K's do not
-# (docs/models.md)
+# matmul, so widening means fp32 FMAs) the 4-bit formats' byte products, summed in int16, beat
+# the widened weight's matmul at prefill sizes; Q8_0's and Q6_K's do not (the measurements are
+# in docs/models.md)
 _KERNEL_PREFILL = {isa.Tier.AVX2: frozenset({"Q4_0", "Q4_1", "Q4_K"})}
 # GGUF architectures whose q/k rows llama.cpp's converter permuted (transformers' LlamaTensorProcessor)
 _PERMUTED_ARCHITECTURES = frozenset({"llama"})
