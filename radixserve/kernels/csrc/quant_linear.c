@@ -1193,6 +1193,15 @@ UNROLL(8)
  * where v_dot and v_mul take two and a 32-bit multiply per sub-block. K_RUN is as many chunks
  * as an int16 lane can sum without overflow, the activations being within +-127: Q4_K
  * 8 x 2 x 15 x 127 = 30480, Q6_K 2 x 2 x 63 x 127 = 32004. */
+/* Two ways the AVX2 paths below steer GCC. A row's activations behind `opaque_row` are new to
+ * the compiler in each half's pass: else it computes their broadcasts once for both halves,
+ * before the loop, and keeps all of them on the stack. Each running sum goes through OPAQUE,
+ * so it is summed in the order written: else the compiler makes a tree of the sums, computing
+ * every product first, and spills them. */
+static ALWAYS_INLINE const int8_t *opaque_row(const int8_t *p) {
+    __asm__("" : "+r"(p));
+    return p;
+}
 #define K_RUN(QT) ((QT) == QT_Q4_K ? 8 : 2)
 static ALWAYS_INLINE void k_dots(const uint8_t *blk, const group_head *h, const act_row *x, int64_t b, const int M,
                                  const int QT, V dot[4]) {
@@ -1205,10 +1214,7 @@ static ALWAYS_INLINE void k_dots(const uint8_t *blk, const group_head *h, const 
 UNROLL(4)
         for (int i = 0; i < M; i++) {
             sum[i] = _mm256_setzero_si256();
-            /* opaque to the compiler: else it computes the activations' broadcasts once for both
-             * halves, before the loop, and keeps all 256 of them on the stack */
-            xq[i] = x[i].q + 256 * b;
-            __asm__("" : "+r"(xq[i]));
+            xq[i] = opaque_row(x[i].q + 256 * b);
         }
 UNROLL(16)
         for (int s = 0; s < subs; s++) {
@@ -1226,15 +1232,13 @@ UNROLL(4)
                         const __m256i xb = _mm256_set1_epi32(word_at(xq[i] + 4 * (per * s + c)));
                         const __m256i products = _mm256_maddubs_epi16(w, xb);
                         part[i] = c == c0 ? products : _mm256_add_epi16(part[i], products);
-                        /* summed in this order (and `sum` below): else the compiler makes a tree
-                         * of the sums, computing every product first, and spills them */
-                        __asm__("" : "+x"(part[i]));
+                        OPAQUE(part[i]);
                     }
                 }
 UNROLL(4)
                 for (int i = 0; i < M; i++) {
                     sum[i] = _mm256_add_epi32(sum[i], _mm256_madd_epi16(part[i], sc16));
-                    __asm__("" : "+x"(sum[i]));
+                    OPAQUE(sum[i]);
                 }
             }
         }
@@ -1298,8 +1302,7 @@ static ALWAYS_INLINE void q32_dots(const uint8_t *blk, const act_row *x, int64_t
 UNROLL(4)
         for (int i = 0; i < M; i++) {
             sum[i] = QT == QT_Q4_0 ? _mm256_set1_epi32(-8 * x[i].isum[b]) : _mm256_setzero_si256();
-            xq[i] = x[i].q + 32 * b;
-            __asm__("" : "+r"(xq[i])); /* see k_dots */
+            xq[i] = opaque_row(x[i].q + 32 * b);
         }
         __m256i part[4];
 UNROLL(8)
@@ -1313,11 +1316,11 @@ UNROLL(4)
                 if (QT == QT_Q8_0) {
                     const __m256i products = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xb, q));
                     sum[i] = _mm256_add_epi32(sum[i], _mm256_madd_epi16(products, ones));
-                    __asm__("" : "+x"(sum[i])); /* see k_dots */
+                    OPAQUE(sum[i]);
                 } else {
                     const __m256i products = _mm256_maddubs_epi16(w, xb);
                     part[i] = c == 0 ? products : _mm256_add_epi16(part[i], products);
-                    __asm__("" : "+x"(part[i]));
+                    OPAQUE(part[i]);
                 }
             }
         }
