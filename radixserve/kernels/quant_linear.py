@@ -9,10 +9,9 @@ Q4_1's min; blocks of 256 with sums of 16 for the K-quants), the weight x activa
 are summed exactly in integers per block, and each block's integer sum is scaled to fp32 and
 summed in fp32. The result is therefore not dequantize-then-matmul: the activations carry an
 int8 rounding (about 0.2-0.5 % of a row's dot product, see tests/unit/test_quant_linear.py),
-as in llama.cpp. Except for Q8_0, whose near-lossless weights would be wasted on it: a Q8_0
-row is quantized twice, the row and its rounding residual, dotted as two rows in one pass over
-the weights and added (about 16-bit activations, 2e-5 of a dot product, for twice the integer
-work).
+as in llama.cpp. Except for Q8_0, whose near-lossless weights would be wasted on it: its
+activations are quantized to int16 instead (about 2e-5 of a dot product), multiplied with the
+int8 weights by int16 multiplies, one per pair of values.
 
 Weights come in two layouts. The file's: the GGUF tensor's bytes, uint8 [N, K / block_size *
 block_bytes], row after row. The packed one (`pack_quantized`, once at load): a flat uint8 [N *

@@ -16,7 +16,8 @@
  *
  * (nibble i of a 32-block's byte j: value j for the low nibble, j + 16 for the high one; the
  * K-quants' orders are in the portable decoders below). Each activation row is quantized once
- * per call to int8 blocks with an fp32 scale d = max|x| / 127 (values rounded to nearest even):
+ * per call to int8 blocks with an fp32 scale d = max|x| / 127 (values rounded to nearest even;
+ * Q8_0's to int16, see below):
  * blocks of 32 with the scaled block sum d * sum(q) (for Q4_1's min) for the 32-blocks, blocks
  * of 256 with 16 sums of 16 values (for Q4_K's mins and Q6_K's offset of 32) for the K-quants.
  * Then, per weight block (K-quants: per 256 values) and row, the integer dot product is exact
@@ -27,10 +28,12 @@
  *
  * Q8_0's activations: its weights are near-lossless, and int8 activations alone would move a
  * layer's output by up to about 1% (a block holding an outlier channel rounds its other values
- * coarsely), far more than the weights do. So each Q8_0 row is quantized twice: the row, then
- * its rounding residual x - d * q, each into int8 blocks with its own scale; the two are dotted
- * as two rows (one pass over the weights) and their outputs added. The residual's step is at
- * most 1/254 of the first's: about 16-bit activations, for twice the integer work.
+ * coarsely), far more than the weights do. So Q8_0's activations are int16 blocks of 32, d =
+ * max|x| / 32767, dotted with the int8 weights by int16 multiplies (vpmaddwd, vpdpwssd) whose
+ * products are exact in int32 (|sum| <= 32 x 32767 x 255 per block): one multiply per pair of
+ * values, as many as int8 activations take on AVX2 with the sign trick. Each block's 32 values
+ * are stored in the order 0, 2, 1, 3 of every 4 (see `wide_slot`), the order in which the group
+ * kernels pair them with a chunk's bytes.
  *
  * Two weight layouts (`interleaved`): the file's, above, and `quant_pack`'s (once at load, the
  * same bytes), where groups of 16 rows have their blocks interleaved so that a 64-byte load
@@ -103,27 +106,32 @@ int quant_linear_serves(int qtype) { return block_bytes(qtype) != 0; }
 
 /* ---------------------------------------------------------------- activations, quantized
  *
- * One row of the scratch: int8 q[K], then float d[blocks], then
+ * One row of the scratch: int8 q[K] (Q8_0: int16 q16[K], see `wide_slot`), then float
+ * d[blocks], then
  *   32-blocks: float s[blocks] = d * sum(q), int32 isum[blocks] = sum(q);
  *   K-quants:  int16 sums[16 * blocks] of 16 values each, int16 sums32[8 * blocks] of 32 each;
- * rows padded to 64 bytes (the AVX-512 path reads a 32-block pair's second half past an odd
- * row's last block: it lands in the row's scales, its products multiplied by zero). */
+ * rows padded to 64 bytes, at least 64 past the values (the AVX-512 path reads a 32-block
+ * pair's second half past an odd row's last block: it lands in the row's scales, its products
+ * multiplied by zero). */
+static int64_t act_value_bytes(int qtype) { return qtype == QT_Q8_0 ? 2 : 1; }
+
 static int64_t act_row_bytes(int qtype, int64_t K) {
     const int64_t blocks = K / block_values(qtype);
     const int64_t tail = block_values(qtype) == 256 ? blocks * (4 + 32 + 16) : blocks * 12;
-    return (K + tail + 63) / 64 * 64;
+    return (K * act_value_bytes(qtype) + tail + 63) / 64 * 64;
 }
 
-/* Scratch rows per activation row: Q8_0 holds each row twice, the row and what its int8 rounding
- * left (see "Q8_0's activations" above). */
-static int64_t act_parts(int qtype) { return qtype == QT_Q8_0 ? 2 : 1; }
+static int64_t scratch_bytes(int qtype, int64_t M, int64_t K) { return M * act_row_bytes(qtype, K) + 64; }
 
-static int64_t scratch_bytes(int qtype, int64_t M, int64_t K) {
-    return M * act_parts(qtype) * act_row_bytes(qtype, K) + 64;
-}
+/* Where value e of a Q8_0 activation block is stored: 0, 2, 1, 3 in every 4. A group chunk
+ * holds 4 values of a column in a 32-bit lane; its even bytes (0, 2) and odd bytes (1, 3) each
+ * widen to a pair of int16 in the lane with two operations, and the pairs of activations they
+ * multiply are then adjacent words (see q32_dots). */
+static ALWAYS_INLINE int wide_slot(int e) { return (e & ~3) | (e & 1) << 1 | (e >> 1 & 1); }
 
 typedef struct {
     const int8_t *q;
+    const int16_t *q16;    /* Q8_0 */
     const float *d;
     const float *s;       /* 32-blocks */
     const int32_t *isum;  /* 32-blocks */
@@ -131,11 +139,13 @@ typedef struct {
     const int16_t *sums32; /* K-quants, 8 a block */
 } act_row;
 
-static ALWAYS_INLINE act_row act_at(const uint8_t *scratch, int64_t row_bytes, int64_t K, int64_t blocks, int64_t r) {
+static ALWAYS_INLINE act_row act_at(const uint8_t *scratch, int64_t row_bytes, int64_t values_bytes, int64_t blocks,
+                                     int64_t r) {
     const uint8_t *base = scratch + r * row_bytes;
     act_row a;
     a.q = (const int8_t *)base;
-    a.d = (const float *)(base + K);
+    a.q16 = (const int16_t *)base;
+    a.d = (const float *)(base + values_bytes);
     a.s = a.d + blocks;
     a.isum = (const int32_t *)(a.s + blocks);
     a.sums = (const int16_t *)(a.d + blocks);
@@ -144,46 +154,47 @@ static ALWAYS_INLINE act_row act_at(const uint8_t *scratch, int64_t row_bytes, i
 }
 
 /* Blocks b0..b1-1 of one row x (fp32 or bf16) into its scratch row: blocks of `bs` (32 or 256)
- * values. With `minus` (a scratch row of the same x), what that row's int8 values leave of x:
- * x - d * q. */
+ * values, int8, or int16 for Q8_0 (`wide`). */
 static void quantize_blocks(const void *x, int dtype, int64_t K, int64_t bs, int64_t b0, int64_t b1, uint8_t *dst,
-                            const uint8_t *minus) {
+                            const int wide) {
     const int64_t blocks = K / bs;
     int8_t *q = (int8_t *)dst;
-    float *d = (float *)(dst + K);
+    int16_t *q16 = (int16_t *)dst;
+    float *d = (float *)(dst + K * (wide ? 2 : 1));
     float *s = d + blocks;
     int32_t *isum = (int32_t *)(s + blocks);
     int16_t *sums = (int16_t *)(d + blocks);
     int16_t *sums32 = sums + 16 * blocks;
-    float v[256], taken[256];
+    float v[256];
     for (int64_t b = b0; b < b1; b++) {
         for (int64_t e = 0; e < bs; e++) {
             const int64_t k = b * bs + e;
             v[e] = dtype == DTYPE_BFLOAT16 ? bf16_to_float(((const uint16_t *)x)[k]) : ((const float *)x)[k];
-        }
-        if (minus != NULL) {
-            /* the products rounded before the subtraction (no fused multiply-add), as the
-             * portable build and the tests' reference compute them: the barrier keeps
-             * -ffast-math from fusing the two loops' operations */
-            const float dm = ((const float *)(minus + K))[b];
-            const int8_t *qm = (const int8_t *)minus + b * bs;
-            for (int64_t e = 0; e < bs; e++) taken[e] = dm * (float)qm[e];
-            __asm__ volatile("" : : "r"(taken) : "memory");
-            for (int64_t e = 0; e < bs; e++) v[e] -= taken[e];
         }
         float amax = 0.0f;
         for (int64_t e = 0; e < bs; e++) {
             const float a = fabsf(v[e]);
             amax = a > amax ? a : amax;
         }
-        float scale = amax * (1.0f / 127.0f);
+        float scale = amax * (wide ? 1.0f / 32767.0f : 1.0f / 127.0f);
         /* the rounded scale, as stored: -ffast-math would otherwise fold 1 / scale into
          * 127 / amax, one rounding fewer than the scale the dot products use */
         __asm__ volatile("" : "+m"(scale));
         const float inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
+        d[b] = scale;
+        if (wide) {
+            int32_t total = 0;
+            for (int e = 0; e < 32; e++) {
+                const int32_t value = (int32_t)rintf(v[e] * inverse);
+                q16[b * 32 + wide_slot(e)] = (int16_t)value;
+                total += value;
+            }
+            s[b] = scale * (float)total;
+            isum[b] = total;
+            continue;
+        }
         int8_t *qb = q + b * bs;
         for (int64_t e = 0; e < bs; e++) qb[e] = (int8_t)(int32_t)rintf(v[e] * inverse);
-        d[b] = scale;
         if (bs == 32) {
             int32_t total = 0;
             for (int e = 0; e < 32; e++) total += qb[e];
@@ -266,8 +277,9 @@ static ALWAYS_INLINE void tile_q32(const uint8_t *const *w, const act_row *x, in
             }
             for (int i = 0; i < m; i++) {
                 const int8_t *xq = x[i].q + 32 * b;
+                const int16_t *xw = x[i].q16 + 32 * b;
                 int32_t dot = 0;
-                for (int e = 0; e < 32; e++) dot += q[e] * xq[e];
+                for (int e = 0; e < 32; e++) dot += q[e] * (QT == QT_Q8_0 ? xw[wide_slot(e)] : xq[e]);
                 float scale = dw * x[i].d[b];
                 OPAQUE(scale);
                 float term = scale * (float)dot;
@@ -382,11 +394,19 @@ static ALWAYS_INLINE void tile_q32(const uint8_t *const *w, const act_row *x, in
     __m256 acc[TILE_ROWS][TILE_COLS];
     for (int i = 0; i < m; i++)
         for (int j = 0; j < TILE_COLS; j++) acc[i][j] = _mm256_setzero_ps();
+    /* Q8_0's int8 weights reordered as its activations are stored (see wide_slot) */
+    const __m256i slot_order = _mm256_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15, 0, 2, 1, 3, 4, 6,
+                                                5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
     for (int64_t b = 0; b < blocks; b++) {
-        __m256i xv[TILE_ROWS];
+        __m256i xv[TILE_ROWS], xw[TILE_ROWS][2];
         __m256 dx[TILE_ROWS], sx[TILE_ROWS];
         for (int i = 0; i < m; i++) {
-            xv[i] = _mm256_loadu_si256((const __m256i *)(x[i].q + 32 * b));
+            if (QT == QT_Q8_0) {
+                xw[i][0] = _mm256_loadu_si256((const __m256i *)(x[i].q16 + 32 * b));
+                xw[i][1] = _mm256_loadu_si256((const __m256i *)(x[i].q16 + 32 * b + 16));
+            } else {
+                xv[i] = _mm256_loadu_si256((const __m256i *)(x[i].q + 32 * b));
+            }
             dx[i] = _mm256_broadcast_ss(x[i].d + b);
             if (QT == QT_Q4_1) sx[i] = _mm256_broadcast_ss(x[i].s + b);
         }
@@ -407,8 +427,16 @@ static ALWAYS_INLINE void tile_q32(const uint8_t *const *w, const act_row *x, in
                     acc[i][j] = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx[i]), _mm256_cvtepi32_ps(p), acc[i][j]);
                     acc[i][j] = _mm256_fmadd_ps(mw, sx[i], acc[i][j]);
                 }
+            } else if (QT == QT_Q8_0) {
+                const __m256i ordered = _mm256_shuffle_epi8(wq, slot_order);
+                const __m256i w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(ordered));
+                const __m256i w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(ordered, 1));
+                for (int i = 0; i < m; i++) {
+                    const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0, xw[i][0]), _mm256_madd_epi16(w1, xw[i][1]));
+                    acc[i][j] = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx[i]), _mm256_cvtepi32_ps(p), acc[i][j]);
+                }
             } else {
-                /* signed weights: |w| times x with w's sign */
+                /* Q4_0's signed weights: |w| times x with w's sign */
                 const __m256i wa = _mm256_sign_epi8(wq, wq);
                 for (int i = 0; i < m; i++) {
                     const __m256i p = dot_u8i8(wa, _mm256_sign_epi8(xv[i], wq));
@@ -561,10 +589,15 @@ static ALWAYS_INLINE void tile_q32(const uint8_t *const *w, const act_row *x, in
          * and its high half gets an activation scale of zero */
         const int odd = b + 1 == blocks;
         const int64_t b1 = odd ? b : b + 1;
-        __m512i xv[TILE_ROWS];
+        __m512i xv[TILE_ROWS], xw[TILE_ROWS][2];
         __m512 dx[TILE_ROWS], sx[TILE_ROWS];
         for (int i = 0; i < m; i++) {
-            xv[i] = _mm512_loadu_si512((const void *)(x[i].q + 32 * b));
+            if (QT == QT_Q8_0) {
+                xw[i][0] = _mm512_loadu_si512((const void *)(x[i].q16 + 32 * b));
+                xw[i][1] = _mm512_loadu_si512((const void *)(x[i].q16 + 32 * b + 32));
+            } else {
+                xv[i] = _mm512_loadu_si512((const void *)(x[i].q + 32 * b));
+            }
             const __m128 dpair = odd ? _mm_load_ss(x[i].d + b) : _mm_castpd_ps(_mm_load_sd((const double *)(x[i].d + b)));
             dx[i] = spread_pair(dpair, 0, 1);
             if (QT == QT_Q4_1) {
@@ -592,13 +625,30 @@ static ALWAYS_INLINE void tile_q32(const uint8_t *const *w, const act_row *x, in
                 memcpy(&h0, blk0, 2);
                 memcpy(&h1, blk1, 2);
                 const __m512 dw = spread_pair(_mm_cvtph_ps(_mm_cvtsi32_si128((int)((uint32_t)h0 | (uint32_t)h1 << 16))), 0, 1);
-                /* signed weights: |w| times x with w's sign (no 512-bit vpsignb) */
-                const __m512i wa = _mm512_abs_epi8(wq);
-                const __mmask64 negative = _mm512_movepi8_mask(wq);
-                for (int i = 0; i < m; i++) {
-                    const __m512i xs = _mm512_mask_sub_epi8(xv[i], negative, _mm512_setzero_si512(), xv[i]);
-                    const __m512i p = dot_u8i8(wa, xs);
-                    acc[i][j] = _mm512_fmadd_ps(_mm512_mul_ps(dw, dx[i]), _mm512_cvtepi32_ps(p), acc[i][j]);
+                if (QT == QT_Q8_0) {
+                    /* int8 weights reordered as the activations are stored (see wide_slot), widened
+                     * to int16: block b's products in p0, b1's in p1, each block's pairs of lanes
+                     * then added into lanes 0-7 and 8-15 */
+                    const __m512i ordered = _mm512_shuffle_epi8(wq, _mm512_set4_epi32(0x0F0D0E0C, 0x0B090A08, 0x07050604, 0x03010200));
+                    const __m512i w0 = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(ordered));
+                    const __m512i w1 = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(ordered, 1));
+                    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+                    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+                    for (int i = 0; i < m; i++) {
+                        const __m512i p0 = _mm512_madd_epi16(w0, xw[i][0]), p1 = _mm512_madd_epi16(w1, xw[i][1]);
+                        const __m512i p = _mm512_add_epi32(_mm512_permutex2var_epi32(p0, even, p1),
+                                                           _mm512_permutex2var_epi32(p0, odd, p1));
+                        acc[i][j] = _mm512_fmadd_ps(_mm512_mul_ps(dw, dx[i]), _mm512_cvtepi32_ps(p), acc[i][j]);
+                    }
+                } else {
+                    /* Q4_0's signed weights: |w| times x with w's sign (no 512-bit vpsignb) */
+                    const __m512i wa = _mm512_abs_epi8(wq);
+                    const __mmask64 negative = _mm512_movepi8_mask(wq);
+                    for (int i = 0; i < m; i++) {
+                        const __m512i xs = _mm512_mask_sub_epi8(xv[i], negative, _mm512_setzero_si512(), xv[i]);
+                        const __m512i p = dot_u8i8(wa, xs);
+                        acc[i][j] = _mm512_fmadd_ps(_mm512_mul_ps(dw, dx[i]), _mm512_cvtepi32_ps(p), acc[i][j]);
+                    }
                 }
             }
         }
@@ -710,7 +760,7 @@ static ALWAYS_INLINE void tile_q6k(const uint8_t *const *w, const act_row *x, in
  *   Q4_0  d[16] fp16 | nibbles: 4 x 16 words, word (p, j) = bytes 4p..4p+3 of column j's 16
  *   Q4_1  d[16] | m[16] | nibbles as Q4_0
  *   Q8_0  d[16] | 8 x 16 words, word (p, j) = bytes 4p..4p+3 of column j's 32, each byte
- *         XOR 0x80 (the value + 128, unsigned: what vpdpbusd multiplies)
+ *         XOR 0x80 (the value + 128, unsigned: a byte widens to int16 by a mask or a shift)
  *   Q4_K  d[16] | dmin[16] | 3 x 16 words of the 6-bit scales and mins, word (u, j) = bytes
  *         4u..4u+3 of column j's 12 | 32 x 16 words of nibbles, word (c, j) = bytes 4c..4c+3
  *         of column j's 128
@@ -939,7 +989,8 @@ int quant_dequantize(const uint8_t *w, int64_t N, int64_t K, int qtype, int inte
  * bytes seen as 16 int32 lanes (lane j: column j), `F` 16 fp32 lanes; each tier gives the few
  * operations the kernels need. The weights of a group block are "chunks" c of 64 bytes, each
  * four values of every column, the values 4c..4c+3 of the block (so its activations are the 4
- * int8 at x + 4c, broadcast): 8 chunks for the 32-blocks, 64 for the K-quants. A chunk's dot
+ * int8 at x + 4c, broadcast; Q8_0's, two pairs of int16): 8 chunks for the 32-blocks, 64 for
+ * the K-quants. A chunk's dot
  * product with the activations is exact in int32; per sub-block (K-quants) it is multiplied by
  * the sub-block's integer scale; per block, the integer sum is scaled in fp32, per column:
  *
@@ -982,19 +1033,6 @@ static ALWAYS_INLINE V v_dot(V acc, V w, const int8_t *x) {
     return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, _mm512_set1_epi32(word_at(x))), _mm512_set1_epi16(1)));
 #endif
 }
-/* Q8_0: w holds q + 128 (unsigned); acc + the dot of (q + 128) and x less Q8_BIAS * sum(x)
- * (the caller starts acc at -Q8_BIAS * sum(x)): the dot of q and x */
-#ifdef __AVX512VNNI__
-#define Q8_BIAS 128
-static ALWAYS_INLINE V v_dot_q8(V acc, V w, const int8_t *x) { return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(word_at(x))); }
-#else
-#define Q8_BIAS 0
-static ALWAYS_INLINE V v_dot_q8(V acc, V w, const int8_t *x) {
-    const __m512i q = _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80)), xb = _mm512_set1_epi32(word_at(x));
-    const __m512i xs = _mm512_mask_sub_epi8(xb, _mm512_movepi8_mask(q), _mm512_setzero_si512(), xb);
-    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(q), xs), _mm512_set1_epi16(1)));
-}
-#endif
 /* acc + per lane the int16 pair of a times the int16 pair at x */
 static ALWAYS_INLINE V v_dot16(V acc, V a, const int16_t *x) {
 #ifdef __AVX512VNNI__
@@ -1091,11 +1129,6 @@ static ALWAYS_INLINE V v_s8_to_s16(const void *p) {
 static ALWAYS_INLINE V v_dot(V acc, V w, const int8_t *x) {
     V_MAP(acc.l[j] + (uint32_t)((int32_t)(w.l[j] & 0xFF) * x[0] + (int32_t)((w.l[j] >> 8) & 0xFF) * x[1] +
                                 (int32_t)((w.l[j] >> 16) & 0xFF) * x[2] + (int32_t)(w.l[j] >> 24) * x[3]));
-}
-#define Q8_BIAS 0
-static ALWAYS_INLINE V v_dot_q8(V acc, V w, const int8_t *x) {
-    V_MAP(acc.l[j] + (uint32_t)((int8_t)(w.l[j] ^ 0x80) * x[0] + (int8_t)((w.l[j] >> 8) ^ 0x80) * x[1] +
-                                (int8_t)((w.l[j] >> 16) ^ 0x80) * x[2] + (int8_t)((w.l[j] >> 24) ^ 0x80) * x[3]));
 }
 static ALWAYS_INLINE V v_dot16(V acc, V y, const int16_t *x) {
     V_MAP(acc.l[j] + (uint32_t)((int16_t)(y.l[j] & 0xFFFF) * x[0] + (int16_t)(y.l[j] >> 16) * x[1]));
@@ -1286,38 +1319,41 @@ static ALWAYS_INLINE F k_block(V dot, const group_head *h, const act_row *x, int
 }
 
 /* The dot products of one 32-value group block (Q4_0, Q4_1, Q8_0) for M rows (1..4), its
- * chunks decoded once for all of them, exact in int32 (Q4_0: less 8 x the activations' sum, the
- * 8 of q - 8). */
+ * chunks decoded once for all of them, exact in int32 (less the activations' sum times Q4_0's 8
+ * of q - 8, or times the 128 Q8_0's layout adds to q). */
 #if defined(QL_AVX2)
 /* As k_dots: one half of the columns at a time, each sum in a register. Q4_0 and Q4_1 sum a
- * block's byte products in int16 (8 x 2 x 15 x 127 = 30480) and widen them once; Q8_0's
- * products (up to 2 x 128 x 127 in an int16 lane) are widened one chunk at a time. */
+ * block's byte products in int16 (8 x 2 x 15 x 127 = 30480) and widen them once. Q8_0's bytes
+ * (q + 128) widen to int16 pairs, the even ones by a mask and the odd ones by a shift, each
+ * multiplied by a pair of int16 activations (vpmaddwd) and summed in int32, less 128 x the
+ * activations' sum. */
 static ALWAYS_INLINE void q32_dots(const uint8_t *blk, const act_row *x, int64_t b, const int M, const int QT, V dot[4]) {
     const __m256i ones = _mm256_set1_epi16(1);
 #pragma GCC unroll 1
     for (int hi = 0; hi < 2; hi++) {
         const uint8_t *half = blk + 32 * hi;
         __m256i sum[4];
-        const int8_t *xq[4];
+        const int8_t *xq[4]; /* Q8_0: its int16 activations, as bytes */
 UNROLL(4)
         for (int i = 0; i < M; i++) {
-            sum[i] = QT == QT_Q4_0 ? _mm256_set1_epi32(-8 * x[i].isum[b]) : _mm256_setzero_si256();
-            xq[i] = opaque_row(x[i].q + 32 * b);
+            const int32_t offset = QT == QT_Q4_0 ? -8 : QT == QT_Q8_0 ? -128 : 0;
+            sum[i] = _mm256_set1_epi32(offset * x[i].isum[b]);
+            xq[i] = opaque_row(QT == QT_Q8_0 ? (const int8_t *)(x[i].q16 + 32 * b) : x[i].q + 32 * b);
         }
         __m256i part[4];
 UNROLL(8)
         for (int c = 0; c < 8; c++) {
             const __m256i w = chunk_of(half, QT, c).a;
-            /* Q8_0: q = w - 128, multiplied as |q| by x with q's sign */
-            const __m256i q = _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80)), magnitude = _mm256_sign_epi8(q, q);
+            const __m256i even = _mm256_and_si256(w, _mm256_set1_epi16(0xFF)), odd = _mm256_srli_epi16(w, 8);
 UNROLL(4)
             for (int i = 0; i < M; i++) {
-                const __m256i xb = _mm256_set1_epi32(word_at(xq[i] + 4 * c));
                 if (QT == QT_Q8_0) {
-                    const __m256i products = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xb, q));
-                    sum[i] = _mm256_add_epi32(sum[i], _mm256_madd_epi16(products, ones));
+                    const __m256i x02 = _mm256_set1_epi32(word_at(xq[i] + 8 * c)), x13 = _mm256_set1_epi32(word_at(xq[i] + 8 * c + 4));
+                    sum[i] = _mm256_add_epi32(sum[i], _mm256_madd_epi16(even, x02));
+                    sum[i] = _mm256_add_epi32(sum[i], _mm256_madd_epi16(odd, x13));
                     OPAQUE(sum[i]);
                 } else {
+                    const __m256i xb = _mm256_set1_epi32(word_at(xq[i] + 4 * c));
                     const __m256i products = _mm256_maddubs_epi16(w, xb);
                     part[i] = c == 0 ? products : _mm256_add_epi16(part[i], products);
                     OPAQUE(part[i]);
@@ -1333,15 +1369,23 @@ UNROLL(4)
 }
 #else
 static ALWAYS_INLINE void q32_dots(const uint8_t *blk, const act_row *x, int64_t b, const int M, const int QT, V dot[4]) {
-    V chunk[8];
+    V chunk[8], odd[8]; /* Q8_0: chunk's even bytes, then its odd ones, as int16 pairs */
 UNROLL(8)
-    for (int c = 0; c < 8; c++) chunk[c] = chunk_of(blk, QT, c);
+    for (int c = 0; c < 8; c++) {
+        chunk[c] = chunk_of(blk, QT, c);
+        if (QT == QT_Q8_0) {
+            odd[c] = v_and(v_srl(chunk[c], 8), v_i32(0x00FF00FF));
+            chunk[c] = v_and(chunk[c], v_i32(0x00FF00FF));
+        }
+    }
 UNROLL(4)
     for (int i = 0; i < M; i++) {
         const int8_t *xq = x[i].q + 32 * b;
-        V d = QT == QT_Q4_0 ? v_i32(-8 * x[i].isum[b]) : QT == QT_Q8_0 ? v_i32(-Q8_BIAS * x[i].isum[b]) : v_i32(0);
+        const int16_t *xw = x[i].q16 + 32 * b;
+        V d = QT == QT_Q4_0 ? v_i32(-8 * x[i].isum[b]) : QT == QT_Q8_0 ? v_i32(-128 * x[i].isum[b]) : v_i32(0);
 UNROLL(8)
-        for (int c = 0; c < 8; c++) d = QT == QT_Q8_0 ? v_dot_q8(d, chunk[c], xq + 4 * c) : v_dot(d, chunk[c], xq + 4 * c);
+        for (int c = 0; c < 8; c++)
+            d = QT == QT_Q8_0 ? v_dot16(v_dot16(d, chunk[c], xw + 4 * c), odd[c], xw + 4 * c + 2) : v_dot(d, chunk[c], xq + 4 * c);
         dot[i] = d;
     }
 }
@@ -1453,7 +1497,7 @@ int quant_linear(const void *x, int64_t x_row_stride, int64_t M, int64_t K, cons
     if (!quant_linear_serves(qtype) || K % block_values(qtype) != 0) return 2;
     if (M <= 0 || N <= 0) return 0;
     const int64_t bs = block_values(qtype), blocks = K / bs, row_bytes = blocks * block_bytes(qtype);
-    const int64_t act_bytes = act_row_bytes(qtype, K), parts = act_parts(qtype), rows_q = M * parts;
+    const int64_t act_bytes = act_row_bytes(qtype, K), values_bytes = K * act_value_bytes(qtype);
     uint8_t *scratch = aligned_alloc(64, (size_t)scratch_bytes(qtype, M, K) / 64 * 64 + 64);
     if (scratch == NULL) return 1;
     if (num_threads <= 0) num_threads = omp_get_max_threads();
@@ -1471,47 +1515,44 @@ int quant_linear(const void *x, int64_t x_row_stride, int64_t M, int64_t K, cons
             const int64_t r = unit / slices, slice = unit % slices;
             const int64_t b0 = blocks * slice / slices, b1 = blocks * (slice + 1) / slices;
             const void *row = (const char *)x + r * x_row_stride * x_elem;
-            uint8_t *first = scratch + r * parts * act_bytes;
-            quantize_blocks(row, x_dtype, K, bs, b0, b1, first, NULL);
-            if (parts == 2) quantize_blocks(row, x_dtype, K, bs, b0, b1, first + act_bytes, first);
+            quantize_blocks(row, x_dtype, K, bs, b0, b1, scratch + r * act_bytes, qtype == QT_Q8_0);
         }
-        /* implicit barrier: every row quantized. Below, "rows" are scratch rows (rows_q of them);
-         * a row's parts are adjacent and the tiles' heights even, so they share a tile */
+        /* implicit barrier: every row quantized */
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < items; item++) {
             if (item < groups) {
                 const int64_t n0 = item * GROUP;
-                for (int64_t r0 = 0; r0 < rows_q; r0 += GROUP_ROWS) {
-                    const int m = rows_q - r0 < GROUP_ROWS ? (int)(rows_q - r0) : GROUP_ROWS;
+                for (int64_t r0 = 0; r0 < M; r0 += GROUP_ROWS) {
+                    const int m = M - r0 < GROUP_ROWS ? (int)(M - r0) : GROUP_ROWS;
                     act_row rows[GROUP_ROWS];
-                    for (int i = 0; i < m; i++) rows[i] = act_at(scratch, act_bytes, K, blocks, r0 + i);
+                    for (int i = 0; i < m; i++) rows[i] = act_at(scratch, act_bytes, values_bytes, blocks, r0 + i);
                     _Alignas(64) float sums[GROUP_ROWS][GROUP];
                     group_kernel(qtype, w + n0 * row_bytes, rows, blocks, m, sums);
-                    for (int i = 0; i < m; i += (int)parts)
+                    for (int i = 0; i < m; i++)
                         for (int j = 0; j < GROUP; j++) {
-                            float v = parts == 2 ? sums[i][j] + sums[i + 1][j] : sums[i][j];
+                            float v = sums[i][j];
                             if (bias != NULL) v += bias[n0 + j];
-                            store_element(y, (r0 + i) / parts * y_row_stride + n0 + j, v, y_dtype);
+                            store_element(y, (r0 + i) * y_row_stride + n0 + j, v, y_dtype);
                         }
                 }
                 continue;
             }
             const int64_t n0 = rest + (item - groups) * CHUNK, n1 = n0 + CHUNK < N ? n0 + CHUNK : N;
-            for (int64_t r0 = 0; r0 < rows_q; r0 += TILE_ROWS) {
-                const int m = rows_q - r0 < TILE_ROWS ? (int)(rows_q - r0) : TILE_ROWS;
+            for (int64_t r0 = 0; r0 < M; r0 += TILE_ROWS) {
+                const int m = M - r0 < TILE_ROWS ? (int)(M - r0) : TILE_ROWS;
                 act_row rows[TILE_ROWS];
-                for (int i = 0; i < m; i++) rows[i] = act_at(scratch, act_bytes, K, blocks, r0 + i);
+                for (int i = 0; i < m; i++) rows[i] = act_at(scratch, act_bytes, values_bytes, blocks, r0 + i);
                 for (int64_t c0 = n0; c0 < n1; c0 += TILE_COLS) {
                     /* columns past N repeat the last one; their sums are dropped */
                     const uint8_t *cols[TILE_COLS];
                     for (int j = 0; j < TILE_COLS; j++) cols[j] = w + (c0 + j < N ? c0 + j : N - 1) * row_bytes;
                     float sums[TILE_ROWS][TILE_COLS];
                     tile(qtype, cols, rows, blocks, m, sums);
-                    for (int i = 0; i < m; i += (int)parts)
+                    for (int i = 0; i < m; i++)
                         for (int j = 0; j < TILE_COLS && c0 + j < n1; j++) {
-                            float v = parts == 2 ? sums[i][j] + sums[i + 1][j] : sums[i][j];
+                            float v = sums[i][j];
                             if (bias != NULL) v += bias[c0 + j];
-                            store_element(y, (r0 + i) / parts * y_row_stride + c0 + j, v, y_dtype);
+                            store_element(y, (r0 + i) * y_row_stride + c0 + j, v, y_dtype);
                         }
                 }
             }
