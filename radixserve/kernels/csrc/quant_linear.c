@@ -30,8 +30,9 @@
  * layer's output by up to about 1% (a block holding an outlier channel rounds its other values
  * coarsely), far more than the weights do. So Q8_0's activations are int16 blocks of 32, d =
  * max|x| / 32767, dotted with the int8 weights by int16 multiplies (vpmaddwd, vpdpwssd) whose
- * products are exact in int32 (|sum| <= 32 x 32767 x 255 per block): one multiply per pair of
- * values, as many as int8 activations take on AVX2 with the sign trick. Each block's 32 values
+ * sums are exact in int32 (|sum| <= 32 x 32767 x 255 per block): on AVX2 two vpmaddwd per 32
+ * products, as many multiplies as int8 activations take there (vpmaddubsw with the sign trick,
+ * then a vpmaddwd to widen). Each block's 32 values
  * are stored in the order 0, 2, 1, 3 of every 4 (see `wide_slot`), the order in which the group
  * kernels pair them with a chunk's bytes.
  *
@@ -108,7 +109,7 @@ int quant_linear_serves(int qtype) { return block_bytes(qtype) != 0; }
  *
  * One row of the scratch: int8 q[K] (Q8_0: int16 q16[K], see `wide_slot`), then float
  * d[blocks], then
- *   32-blocks: float s[blocks] = d * sum(q), int32 isum[blocks] = sum(q);
+ *   32-blocks: float s[blocks] = d * sum(q) (not for Q8_0), int32 isum[blocks] = sum(q);
  *   K-quants:  int16 sums[16 * blocks] of 16 values each, int16 sums32[8 * blocks] of 32 each;
  * rows padded to 64 bytes, at least 64 past the values (the AVX-512 path reads a 32-block
  * pair's second half past an odd row's last block: it lands in the row's scales, its products
@@ -189,7 +190,6 @@ static void quantize_blocks(const void *x, int dtype, int64_t K, int64_t bs, int
                 q16[b * 32 + wide_slot(e)] = (int16_t)value;
                 total += value;
             }
-            s[b] = scale * (float)total;
             isum[b] = total;
             continue;
         }
@@ -632,12 +632,12 @@ static ALWAYS_INLINE void tile_q32(const uint8_t *const *w, const act_row *x, in
                     const __m512i ordered = _mm512_shuffle_epi8(wq, _mm512_set4_epi32(0x0F0D0E0C, 0x0B090A08, 0x07050604, 0x03010200));
                     const __m512i w0 = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(ordered));
                     const __m512i w1 = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(ordered, 1));
-                    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-                    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+                    const __m512i even_lanes = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+                    const __m512i odd_lanes = _mm512_add_epi32(even_lanes, _mm512_set1_epi32(1));
                     for (int i = 0; i < m; i++) {
                         const __m512i p0 = _mm512_madd_epi16(w0, xw[i][0]), p1 = _mm512_madd_epi16(w1, xw[i][1]);
-                        const __m512i p = _mm512_add_epi32(_mm512_permutex2var_epi32(p0, even, p1),
-                                                           _mm512_permutex2var_epi32(p0, odd, p1));
+                        const __m512i p = _mm512_add_epi32(_mm512_permutex2var_epi32(p0, even_lanes, p1),
+                                                           _mm512_permutex2var_epi32(p0, odd_lanes, p1));
                         acc[i][j] = _mm512_fmadd_ps(_mm512_mul_ps(dw, dx[i]), _mm512_cvtepi32_ps(p), acc[i][j]);
                     }
                 } else {
@@ -990,9 +990,9 @@ int quant_dequantize(const uint8_t *w, int64_t N, int64_t K, int qtype, int inte
  * operations the kernels need. The weights of a group block are "chunks" c of 64 bytes, each
  * four values of every column, the values 4c..4c+3 of the block (so its activations are the 4
  * int8 at x + 4c, broadcast; Q8_0's, two pairs of int16): 8 chunks for the 32-blocks, 64 for
- * the K-quants. A chunk's dot
- * product with the activations is exact in int32; per sub-block (K-quants) it is multiplied by
- * the sub-block's integer scale; per block, the integer sum is scaled in fp32, per column:
+ * the K-quants. A chunk's dot product with the activations is exact in int32; per sub-block
+ * (K-quants) it is multiplied by the sub-block's integer scale; per block, the integer sum is
+ * scaled in fp32, per column:
  *
  *   acc += (d_w * d_x) * dot                       (Q4_1: then acc += m_w * (d_x * sum(q_x)))
  *   Q4_K: acc += (d * d_x) * dot, then acc -= (dmin * d_x) * sum_s(m_s * sum_s(q_x))
@@ -1344,6 +1344,7 @@ UNROLL(4)
 UNROLL(8)
         for (int c = 0; c < 8; c++) {
             const __m256i w = chunk_of(half, QT, c).a;
+            /* Q8_0's bytes as int16 pairs */
             const __m256i even = _mm256_and_si256(w, _mm256_set1_epi16(0xFF)), odd = _mm256_srli_epi16(w, 8);
 UNROLL(4)
             for (int i = 0; i < M; i++) {
