@@ -10,8 +10,8 @@ are summed exactly in integers per block, and each block's integer sum is scaled
 summed in fp32. The result is therefore not dequantize-then-matmul: the activations carry an
 int8 rounding (about 0.2-0.5 % of a row's dot product, see tests/unit/test_quant_linear.py),
 as in llama.cpp. Except for Q8_0, whose near-lossless weights would be wasted on it: its
-activations are quantized to int16 instead (about 2e-5 of a dot product), multiplied with the
-int8 weights by int16 multiplies, one per pair of values.
+activations are quantized to int16 instead (about 2e-5 of a dot product) and multiplied with
+the int8 weights by int16 multiplies (vpmaddwd, vpdpwssd).
 
 Weights come in two layouts. The file's: the GGUF tensor's bytes, uint8 [N, K / block_size *
 block_bytes], row after row. The packed one (`pack_quantized`, once at load): a flat uint8 [N *

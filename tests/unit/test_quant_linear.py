@@ -6,8 +6,8 @@ Two references, both in float64:
 
 - The kernel's own arithmetic (`_integer_reference`): the activations quantized as the kernel
   quantizes them (blocks of 32 or 256, d = max|x| * fp32(1/127), values rint(x / d) in fp32;
-  for Q8_0 int16, d = max|x| * fp32(1/32767)), exact integer dot products per weight block, each scaled by the fp32 product d_w * d_x
-  (and Q4_1's m_w * d_x * sum(q), Q4_K's mins). The kernel may differ from it only by its fp32
+  for Q8_0 int16, d = max|x| * fp32(1/32767)), exact integer dot products per weight block,
+  each scaled by the fp32 product d_w * d_x (and Q4_1's m_w * d_x * sum(q), Q4_K's mins). The kernel may differ from it only by its fp32
   rounding (the order of the block sums, each lane's scaled partial sum): the tolerance is the
   worst-case bound of recursive fp32 summation, (blocks + 32) * 2^-24 times the sum of the
   absolute values of the terms (the 32 covers the per-lane products and the vector reduction),
