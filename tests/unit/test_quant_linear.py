@@ -7,12 +7,12 @@ Two references, both in float64:
 - The kernel's own arithmetic (`_integer_reference`): the activations quantized as the kernel
   quantizes them (blocks of 32 or 256, d = max|x| * fp32(1/127), values rint(x / d) in fp32;
   for Q8_0 int16, d = max|x| * fp32(1/32767)), exact integer dot products per weight block,
-  each scaled by the fp32 product d_w * d_x (and Q4_1's m_w * d_x * sum(q), Q4_K's mins). The kernel may differ from it only by its fp32
-  rounding (the order of the block sums, each lane's scaled partial sum): the tolerance is the
-  worst-case bound of recursive fp32 summation, (blocks + 32) * 2^-24 times the sum of the
-  absolute values of the terms (the 32 covers the per-lane products and the vector reduction),
-  plus half a bf16 step of the value for bf16 outputs. A misread block, scale or min moves an
-  output by about one term, far more than that.
+  each scaled by the fp32 product d_w * d_x (and Q4_1's m_w * d_x * sum(q), Q4_K's mins). The
+  kernel may differ from it only by its fp32 rounding (the order of the block sums, each lane's
+  scaled partial sum): the tolerance is the worst-case bound of recursive fp32 summation,
+  (blocks + 32) * 2^-24 times the sum of the absolute values of the terms (the 32 covers the
+  per-lane products and the vector reduction), plus half a bf16 step of the value for bf16
+  outputs. A misread block, scale or min moves an output by about one term, far more than that.
 - Plain dequantize-then-matmul (`dequantize`, gguf's numpy dequantization): the kernel's
   activations are rounded to int8 per block, as llama.cpp's are, so it is not that. Tolerance:
   the relative error in Frobenius norm over the whole [M, N] output, per format, measured on
@@ -20,8 +20,8 @@ Two references, both in float64:
   format) with a margin of about 2x: Q4_0, Q4_1 0.012 (measured 0.0048 to 0.0057: the int8
   rounding of the activations, up to max|x| / 254 per value in blocks of 32); Q4_K, Q6_K 0.016
   (measured 0.0058 to 0.0084: blocks of 256 have a larger max|x|, so a coarser step); Q8_0
-  5e-5 (measured 1.9e-5 to 2.2e-5: its activations are int16). The
-  largest single error is bounded by 8x the RMS one (measured up to 5.9x).
+  5e-5 (measured 1.9e-5 to 2.2e-5: its activations are int16). The largest single error is
+  bounded by 8x the RMS one (measured up to 5.9x).
 
 Rows alone and in a batch give bit-identical outputs, whatever the thread count; the portable
 build agrees with the tier in use within the fp32-order tolerance.
