@@ -5,7 +5,7 @@ People who serve models on CPUs serve quantized GGUF files. Dequantized to bf16,
 takes 3.5x its size in memory and every decode step reads 3.5x the bytes; kept as blocks,
 a decode step reads what the file holds (radixserve.kernels.quant_linear: dot products that
 dequantize inside, over activations quantized per row to int8 blocks, as llama.cpp computes;
-Q8_0's twice, the row and its residual, so that its greedy output is the dequantized model's).
+Q8_0's to int16 blocks, so that its greedy output is the dequantized model's).
 A forward of WIDEN_ROWS rows or more (a prefill chunk) instead widens each weight once and
 multiplies densely in the model's dtype: there the arithmetic, not the weight bytes, sets the
 pace. Except for the formats whose integer kernels outrun that dense matmul on this ISA tier

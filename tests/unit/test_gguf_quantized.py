@@ -10,12 +10,11 @@
   chat prompts, for the default file and for the default model's weights requantized to Q8_0,
   Q4_0 and Q4_K_M (bench/gguf_models.py), read teacher-forced: the share of answer positions
   whose top token is the answer's, and the logits' relative error there. Q8_0 agrees at every
-  position and free-running too: its activations are quantized twice (the row and its rounding
-  residual: about 16-bit). The 4-bit formats run llama.cpp's arithmetic, int8 activations in
-  blocks, which moves a layer's output by up to about 1% (the small model's outlier channels
-  share blocks with the rest) and the logits by a few percent, so a near-tie flips now and
-  then. The measured figures, per ISA tier, are in docs/models.md (bounds: TOP_TOKEN_AGREEMENT,
-  LOGITS_ERROR).
+  position and free-running too: its activations are int16 blocks (d = max|x| / 32767). The
+  4-bit formats run llama.cpp's arithmetic, int8 activations in blocks, which moves a layer's
+  output by up to about 1% (the small model's outlier channels share blocks with the rest) and
+  the logits by a few percent, so a near-tie flips now and then. The measured figures, per ISA
+  tier, are in docs/models.md (bounds: TOP_TOKEN_AGREEMENT, LOGITS_ERROR).
 """
 
 from __future__ import annotations
