@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PORT ?= 30000
 N ?= 2
 
-.PHONY: setup test serve serve-replicas bench fuzz soak lint
+.PHONY: setup test test-emulated serve serve-replicas bench fuzz soak lint
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,15 @@ fuzz: setup
 # request, no 5xx, KV pages balanced, memory flat). Figures in bench/results/soak.json.
 soak: setup
 	$(BIN)/python -m bench.robustness.soak
+
+# The kernel tests of the avx512 and avx512_bf16 tiers on any x86 CPU with AVX2, against
+# SIMDe-emulated builds (tests/emulated_avx512.py; the first build takes minutes, then cached).
+EMULATED_TESTS := tests/unit/test_quant_linear.py tests/unit/test_kv_quant_kernels.py \
+	tests/unit/test_cpu_kernels.py tests/unit/test_prefill_kernel.py \
+	tests/unit/test_scattered_attention.py tests/unit/test_packed_linear.py
+test-emulated: setup
+	$(BIN)/pip install -q simde-py==0.8.2.post1
+	$(BIN)/python -m pytest -q --emulate-avx512 $(EMULATED_TESTS) -k "avx512 or portable_agrees"
 
 lint: setup
 	$(BIN)/ruff check radixserve frontend_lang tests bench examples

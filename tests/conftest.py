@@ -32,10 +32,21 @@ _TINY = dict(
 )
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--emulate-avx512", action="store_true",
+                     help="run the kernels' avx512 and avx512_bf16 tiers on SIMDe-emulated builds, on any "
+                          "x86 CPU (tests/emulated_avx512.py; `make test-emulated`)")
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Select the CPU ISA tier before any test touches torch: RADIXSERVE_CPU_ISA=avx2 (say) runs
-    the whole suite as on an AVX2 machine, torch's own kernels capped too (kernels/isa.py)."""
+    the whole suite as on an AVX2 machine, torch's own kernels capped too (kernels/isa.py).
+    With --emulate-avx512, the AVX-512 tiers run on emulated builds instead."""
     isa.selected_tier()
+    if config.getoption("--emulate-avx512"):
+        import emulated_avx512
+
+        emulated_avx512.install()
 
 
 @pytest.fixture(params=list(isa.Tier), ids=str)
