@@ -116,35 +116,26 @@ static inline simde__m512 emu_expf16(simde__m512 x) {
 /* Masked loads and stores. SIMDe 0.8.2's write the whole vector, zeros in the masked-off lanes,
  * and read the whole vector: past the end of a row or a tensor. Here only the lanes in k are
  * touched, as on the hardware. */
-static inline void emu_mm512_mask_storeu_ps(void *p, simde__mmask16 k, simde__m512 a) {
-    float v[16];
-    EMU_BITS(v, a);
-    for (int i = 0; i < 16; i++)
-        if (k >> i & 1) memcpy((char *)p + 4 * i, &v[i], 4);
+static inline void emu_masked_copy(void *dst, const void *src, uint32_t k, int lanes, size_t lane_bytes) {
+    for (int i = 0; i < lanes; i++)
+        if (k >> i & 1) memcpy((char *)dst + lane_bytes * i, (const char *)src + lane_bytes * i, lane_bytes);
 }
 
+static inline void emu_mm512_mask_storeu_ps(void *p, simde__mmask16 k, simde__m512 a) { emu_masked_copy(p, &a, k, 16, 4); }
+
 static inline void emu_mm256_mask_storeu_epi16(void *p, simde__mmask16 k, simde__m256i a) {
-    uint16_t v[16];
-    EMU_BITS(v, a);
-    for (int i = 0; i < 16; i++)
-        if (k >> i & 1) memcpy((char *)p + 2 * i, &v[i], 2);
+    emu_masked_copy(p, &a, k, 16, 2);
 }
 
 static inline simde__m512 emu_mm512_maskz_loadu_ps(simde__mmask16 k, const void *p) {
-    float v[16] = {0};
-    for (int i = 0; i < 16; i++)
-        if (k >> i & 1) memcpy(&v[i], (const char *)p + 4 * i, 4);
-    simde__m512 r;
-    EMU_BITS(r, v);
+    simde__m512 r = simde_mm512_setzero_ps();
+    emu_masked_copy(&r, p, k, 16, 4);
     return r;
 }
 
 static inline simde__m256i emu_mm256_maskz_loadu_epi16(simde__mmask16 k, const void *p) {
-    uint16_t v[16] = {0};
-    for (int i = 0; i < 16; i++)
-        if (k >> i & 1) memcpy(&v[i], (const char *)p + 2 * i, 2);
-    simde__m256i r;
-    EMU_BITS(r, v);
+    simde__m256i r = _mm256_setzero_si256();
+    emu_masked_copy(&r, p, k, 16, 2);
     return r;
 }
 #endif
