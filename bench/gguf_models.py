@@ -32,6 +32,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 from gguf import quants as gguf_quants
 
 from radixserve.models import default_gguf
+from radixserve.models.gguf_index import GGUFIndex
 from radixserve.paths import cache_dir
 
 QK_K = 256  # values per K-quant super-block
@@ -164,12 +165,13 @@ def default_tensors() -> dict[str, np.ndarray]:
     (HF's rotary order, as `random_tensors` gives). Requantized into another type, they make a
     file of that type whose greedy output means something, unlike random weights'."""
     shape = PRESETS["default"]
+    index = GGUFIndex(default_gguf())
     tensors = {}
-    for t in GGUFReader(default_gguf()).tensors:
-        value = gguf_quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-        if t.name.endswith(("attn_q.weight", "attn_k.weight")):
-            value = _unpermute_rotary(value, shape.num_heads if "attn_q" in t.name else shape.num_kv_heads)
-        tensors[t.name] = value
+    for name, t in index.tensors.items():
+        value = gguf_quants.dequantize(index.rows(name), GGMLQuantizationType(t.type)).astype(np.float32)
+        if name.endswith(("attn_q.weight", "attn_k.weight")):
+            value = _unpermute_rotary(value, shape.num_heads if "attn_q" in name else shape.num_kv_heads)
+        tensors[name] = value
     return tensors
 
 

@@ -30,6 +30,7 @@ from bench.common import new_parser
 from bench.gguf_models import PRESETS, cached_model
 from bench.llama_cpp import BatchedBench
 from bench.model_runner import Ours, machine
+from radixserve.models.gguf_index import GGUFIndex
 
 CONTEXT = 512
 PREFILL_LEN = 1024
@@ -60,11 +61,9 @@ def _prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
 
 def measure(path: Path, file_type: str, steps: int, repeats: int, llama: BatchedBench | None) -> list[dict[str, object]]:
     quantized, dequantized = Runner(path, "gguf"), Runner(path, "none")
-    from gguf import GGUFReader
-
     # the dequantized model's weights are partly in oneDNN's packed tensors, which no module
     # lists: its size is the file's values at 2 bytes each
-    values = sum(int(t.n_elements) for t in GGUFReader(path).tensors)
+    values = sum(t.n_elements for t in GGUFIndex(path).tensors.values())
     memory = {"gguf": quantized.resident_bytes(), "none": 2 * values, "file": path.stat().st_size}
     rows: list[dict[str, object]] = []
     prompt = _prompts(1, PREFILL_LEN, quantized.vocab)[0]

@@ -44,6 +44,7 @@ from radixserve.kernels import isa
 from radixserve.kernels import quant_linear as qk
 from radixserve.kernels.quant_linear import QuantType
 from radixserve.models.config import ModelConfig
+from radixserve.models.gguf_index import GGUFIndex
 from radixserve.models.packed_linear import onednn_packs
 
 # our fused module -> the GGUF tensors it concatenates along the output dimension, in order
@@ -189,16 +190,14 @@ class _GGUFFile:
     """The tensors of one GGUF file by name, with what the kernels need to know of each."""
 
     def __init__(self, path: Path) -> None:
-        from gguf import GGUFReader  # the gguf package: numpy views of the file
-
         self.path = path
         try:
-            self.reader = GGUFReader(path)
-        except Exception as e:  # noqa: BLE001 - any malformed file
-            raise ValueError(f"cannot read GGUF file {path}: {type(e).__name__}: {e}") from e
-        self.tensors = {t.name: t for t in self.reader.tensors}
-        field = self.reader.fields.get("general.architecture")
-        self.architecture = bytes(field.parts[field.data[0]]).decode() if field else ""
+            self.index = GGUFIndex(path)  # a malformed file is a ValueError that names it
+        except OSError as e:
+            raise ValueError(f"cannot read GGUF file {path}: {e}") from e
+        self.tensors = self.index.tensors
+        architecture = self.index.metadata.get("general.architecture", "")
+        self.architecture = architecture if isinstance(architecture, str) else ""
 
     def blocks(self, name: str, rows: int, cols: int, permute_heads: int | None = None) -> tuple[QuantType, np.ndarray] | None:
         """The tensor `name` as its type and a copy of its blocks [rows, bytes a row], or None if
@@ -207,13 +206,13 @@ class _GGUFFile:
         tensor = self.tensors.get(name)
         if tensor is None:
             raise ValueError(f"{self.path}: tensor {name} is missing")
-        shape = (int(tensor.shape[1]) if len(tensor.shape) > 1 else 1, int(tensor.shape[0]))  # ggml: [cols, rows]
+        shape = (tensor.dims[1] if len(tensor.dims) > 1 else 1, tensor.dims[0])  # ggml: [cols, rows]
         if shape != (rows, cols):
             raise ValueError(f"{self.path}: tensor {name} has shape {shape}, the config implies {(rows, cols)}")
-        qtype = qk.quant_type_of(int(tensor.tensor_type))
+        qtype = qk.quant_type_of(tensor.type)
         if qtype is None or not qk.quant_linear_serves(qtype, cols):
             return None
-        blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(rows, -1)
+        blocks = self.index.rows(name).reshape(rows, -1)
         if blocks.shape[1] != qk.row_bytes(qtype, cols):
             raise ValueError(f"{self.path}: tensor {name} holds {blocks.shape[1]} bytes a row, "
                              f"{qtype.name} of {cols} values takes {qk.row_bytes(qtype, cols)}")
@@ -223,7 +222,7 @@ class _GGUFFile:
         return qtype, np.array(blocks)  # a copy: resident, not a view of the mapped file
 
     def type_name(self, name: str) -> str:
-        return self.tensors[name].tensor_type.name
+        return self.tensors[name].type_name
 
 
 def quantize_from_gguf(model: nn.Module, config: ModelConfig, gguf_path: Path, dtype: torch.dtype) -> QuantizedLoad:
