@@ -20,12 +20,14 @@ llama.cpp's rotary order (its converter's permutation), as real files are.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
@@ -200,18 +202,23 @@ def random_tensors(shape: LlamaShape, seed: int = 0) -> dict[str, np.ndarray]:
     return tensors
 
 
+@functools.cache
+def _default_tokenizer_fields() -> list[tuple[str, GGUFValueType, Any]]:
+    """The default model's `tokenizer.*` fields as (key, type, value), read once a process:
+    gguf's reader parses every string of the vocabulary and merges, which takes seconds."""
+    reader = GGUFReader(default_gguf())
+    return [(key, field.types[0], field.contents()) for key, field in reader.fields.items()
+            if key.startswith("tokenizer.")]
+
+
 def _copy_tokenizer(writer: GGUFWriter) -> None:
     """The default model's tokenizer and chat template, field by field."""
-    reader = GGUFReader(default_gguf())
-    for key, field in reader.fields.items():
-        if not key.startswith("tokenizer."):
-            continue
-        value = field.contents()
-        if field.types[0] == GGUFValueType.ARRAY:
+    for key, kind, value in _default_tokenizer_fields():
+        if kind == GGUFValueType.ARRAY:
             writer.add_array(key, value)
-        elif field.types[0] == GGUFValueType.STRING:
+        elif kind == GGUFValueType.STRING:
             writer.add_string(key, value)
-        elif field.types[0] == GGUFValueType.BOOL:
+        elif kind == GGUFValueType.BOOL:
             writer.add_bool(key, value)
         else:
             writer.add_uint32(key, int(value))
