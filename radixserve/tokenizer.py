@@ -30,16 +30,20 @@ _PASSTHROUGH_KEYS = ("name", "tool_calls", "tool_call_id")
 
 
 def import_in_background() -> threading.Thread:
-    """Starts importing transformers' tokenizer classes in a thread, and returns the thread: the
-    import takes seconds, so a front runs it while the engine's processes start rather than
+    """Starts importing what loading a tokenizer imports in a thread, and returns the thread: the
+    imports take seconds, so a front runs them while the engine's processes start rather than
     after them. transformers' lazy module is not safe to import from two threads at once, so
     join the thread before anything else imports transformers (`load_tokenizer` does)."""
-    thread = threading.Thread(target=_import_auto_tokenizer, name="radixserve-import-transformers", daemon=True)
+    thread = threading.Thread(target=_import_tokenizer_modules, name="radixserve-import-transformers", daemon=True)
     thread.start()
     return thread
 
 
-def _import_auto_tokenizer() -> None:
+def _import_tokenizer_modules() -> None:
+    """AutoTokenizer, and transformers.activations: `AutoTokenizer.from_pretrained` loads the
+    model's config class, and every config module imports it (through its type validators),
+    and with it torch.distributed, the most of a tokenizer's first load."""
+    import transformers.activations  # noqa: F401
     from transformers import AutoTokenizer  # noqa: F401
 
 
