@@ -22,6 +22,7 @@ import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -128,7 +129,7 @@ class GGUFIndex:
             raise ValueError(f"{self.path}: tensor {name}'s rows of {dims[0]} are not whole blocks of {block}")
         return GGUFTensor(name, dims, qtype, offset, math.prod(dims) // block * size)
 
-    def _scalar(self, fmt: str) -> int:
+    def _scalar(self, fmt: str) -> Any:
         (value,) = struct.unpack_from(fmt, self._view, self._at)
         self._at += struct.calcsize(fmt)
         return value
@@ -144,10 +145,7 @@ class GGUFIndex:
     def _value(self, kind: int) -> Metadata | None:
         """A metadata value of type `kind`; an array is stepped over (None)."""
         if kind in _SCALARS:
-            fmt = _SCALARS[kind]
-            (value,) = struct.unpack_from(fmt, self._view, self._at)
-            self._at += struct.calcsize(fmt)
-            return value
+            return self._scalar(_SCALARS[kind])
         if kind == _STRING:
             return self._string()
         if kind == _ARRAY:
