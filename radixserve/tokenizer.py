@@ -41,8 +41,8 @@ def import_in_background() -> threading.Thread:
 
 def _import_tokenizer_modules() -> None:
     """AutoTokenizer, and transformers.activations: `AutoTokenizer.from_pretrained` loads the
-    model's config class, and every config module imports it (through its type validators),
-    and with it torch.distributed, the most of a tokenizer's first load."""
+    model's config class, every config module imports transformers.activations (through its
+    type validators), and that imports torch.distributed: most of a tokenizer's first load."""
     import transformers.activations  # noqa: F401
     from transformers import AutoTokenizer  # noqa: F401
 

@@ -163,10 +163,10 @@ def test_a_killed_engine_resumes_every_stream_with_the_undisturbed_text(tiny_dir
 
 
 CONSTRAINED_STREAMS = 8
-# CPU seconds a compile may take: each grammar alone needs 0.46 s on a Zen 2 core and up to
-# 0.79 s on a slower Zen 3 VM, more while other tests share its cores (one went past 1 s in CI),
-# so the budget leaves room; that a resumed request's compile is never refused for its time is
-# tested against a budget it does exceed, in test_constrained.py
+# CPU seconds a compile may take: each grammar alone needs under a second, but more while other
+# tests share its cores (one went past a budget of 1 s in CI), so the budget leaves room; that a
+# resumed request's compile is never refused for its time is tested against a budget it does
+# exceed, in test_constrained.py
 COMPILE_TIMEOUT = "3.0"
 
 
