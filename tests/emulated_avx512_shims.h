@@ -87,21 +87,18 @@ static inline float simde_mm512_reduce_add_ps(simde__m512 a) {
     return x[0];
 }
 
-static inline simde__m512i simde_mm512_zextsi128_si512(__m128i a) {
+/* `bytes` bytes from `low`, then zeros: the zero-extending casts */
+static inline simde__m512i emu_zext_si512(const void *low, size_t bytes) {
     uint8_t out[64] = {0};
-    memcpy(out, &a, sizeof a);
+    memcpy(out, low, bytes);
     simde__m512i r;
     EMU_BITS(r, out);
     return r;
 }
 
-static inline simde__m512i simde_mm512_zextsi256_si512(__m256i a) {
-    uint8_t out[64] = {0};
-    memcpy(out, &a, sizeof a);
-    simde__m512i r;
-    EMU_BITS(r, out);
-    return r;
-}
+static inline simde__m512i simde_mm512_zextsi128_si512(__m128i a) { return emu_zext_si512(&a, sizeof a); }
+
+static inline simde__m512i simde_mm512_zextsi256_si512(__m256i a) { return emu_zext_si512(&a, sizeof a); }
 
 /* libmvec's 16-lane expf (_ZGVeN16v_expf) runs on zmm registers: lane by lane instead */
 static inline simde__m512 emu_expf16(simde__m512 x) {
