@@ -96,10 +96,9 @@ def test_every_truncation_of_a_header_is_a_value_error_naming_the_file(tmp_path:
             GGUFIndex(cut)
 
 
-def _patched(tmp_path: Path, name: str, old: bytes, new: bytes) -> Path:
-    data = _write_every_kind(tmp_path / "base.gguf").read_bytes()
+def _patched(path: Path, data: bytes, old: bytes, new: bytes) -> Path:
+    """`data` with its one occurrence of `old` replaced by `new`, written to `path`."""
     assert data.count(old) == 1
-    path = tmp_path / name
     path.write_bytes(data.replace(old, new))
     return path
 
@@ -116,11 +115,11 @@ def test_wrong_magic_version_type_and_sizes_are_value_errors(tmp_path: Path) -> 
     # the q8 tensor's type (8, Q8_0) after its name and dims: made unknown
     entry = b"q8" + (2).to_bytes(4, "little") + (64).to_bytes(8, "little") + (4).to_bytes(8, "little")
     with pytest.raises(ValueError, match="tensor q8 has unknown type 99"):
-        GGUFIndex(_patched(tmp_path, "type.gguf", entry + (8).to_bytes(4, "little"), entry + (99).to_bytes(4, "little")))
+        GGUFIndex(_patched(tmp_path / "type.gguf", whole, entry + (8).to_bytes(4, "little"), entry + (99).to_bytes(4, "little")))
     # its row length made 65: not whole blocks of 32
     odd = b"q8" + (2).to_bytes(4, "little") + (65).to_bytes(8, "little")
     with pytest.raises(ValueError, match="not whole blocks of 32"):
-        GGUFIndex(_patched(tmp_path, "blocks.gguf", entry[: len(odd)], odd))
+        GGUFIndex(_patched(tmp_path / "blocks.gguf", whole, entry[: len(odd)], odd))
     # the last tensor's data cut off by a byte
     last = max(GGUFIndex(tmp_path / "base.gguf").tensors.values(), key=lambda t: t.offset)
     bad.write_bytes(whole[: last.offset + last.n_bytes - 1])
