@@ -7,7 +7,7 @@ model costs with it. A worker reads the index on every start and every restart a
 
 Each repeat opens the file once with each reader, in alternating order; medians are reported.
 The warm load is `load_model(model, bfloat16)` in this process after one load has filled the
-caches (the dequantized folder, the kernel library, the page cache).
+caches (the converted folder, the kernel library, the page cache).
 """
 
 from __future__ import annotations

@@ -150,7 +150,7 @@ def _bf16_page_bytes(model: str, page_size: int) -> int:
     from radixserve.kernels.kv_quant import FORMATS
     from radixserve.models.resolve import resolve_model
 
-    cfg = json.loads((resolve_model(model) / "config.json").read_text())
+    cfg = json.loads((resolve_model(model, weights=False) / "config.json").read_text())
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     return KVPool.bytes_per_page(cfg["num_hidden_layers"], page_size, cfg.get("num_key_value_heads", heads),

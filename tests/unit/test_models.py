@@ -271,6 +271,7 @@ def test_default_model_warm_load_reads_cache(
         raise AssertionError("a warm load must not convert")
 
     monkeypatch.setattr(resolve, "convert_gguf", no_conversion)
+    monkeypatch.setattr(resolve, "dequantize_gguf", no_conversion)
     start = time.perf_counter()
     loaded = load_model("default", torch.float32)
     print(f"warm load of the default model: {time.perf_counter() - start:.2f} s")

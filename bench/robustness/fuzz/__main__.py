@@ -97,7 +97,7 @@ def tiny_model(path: Path) -> Path:
 
     from radixserve.models.resolve import resolve_model
 
-    default = resolve_model("default")
+    default = resolve_model("default", weights=False)  # its tokenizer
     config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                          bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)

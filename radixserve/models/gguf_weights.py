@@ -1,0 +1,101 @@
+"""A GGUF file's tensors under our parameter names, read from the file itself: what a quantized
+load (`--quantization gguf`, models/gguf_quantized.py) does not keep as blocks, that is the
+norms, the biases and any layer of a type the kernels do not serve.
+
+Reading them from the file spares the model's cache entry its dequantized copy of every weight
+(models/resolve.py), whose conversion takes most of a first load's time and 4-8x the file's
+size on disk. Each tensor is the one transformers' GGUF loader computes, bit for bit
+(tests/unit/test_gguf_weights.py): the gguf package's dequantization, and for a llama file's q
+and k the inverse of llama.cpp's per-head row permutation (`hf_row_order`), which the
+quantized layers apply to their rows of blocks too.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import torch
+from torch import nn
+
+from radixserve.models.config import ModelConfig
+from radixserve.models.gguf_index import GGUFIndex
+
+# GGUF architectures whose q/k rows llama.cpp's converter permuted (transformers' LlamaTensorProcessor)
+PERMUTED_ARCHITECTURES = frozenset({"llama"})
+# our fused module -> the GGUF tensors it concatenates along the output dimension, in order
+FUSED_PARTS = {
+    "self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"),
+    "self_attn.o_proj": ("attn_output",),
+    "mlp.gate_up_proj": ("ffn_gate", "ffn_up"),
+    "mlp.down_proj": ("ffn_down",),
+}
+# our other modules in a decoder layer -> their GGUF tensor (blk.N.<name>)
+_LAYER_MODULES = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+}
+_TOP_MODULES = {"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output"}
+_LAYER_PARAMETER = re.compile(r"layers\.(\d+)\.(.+)\.(weight|bias)")
+
+
+def hf_row_order(rows: np.ndarray, heads: int) -> np.ndarray:
+    """A permuted q or k tensor's rows (any trailing shape: values or bytes of blocks) in HF's
+    order. llama.cpp's rotary pairs dimensions (2i, 2i+1) of a head, HF's (i, i + d/2)."""
+    half = rows.shape[0] // heads // 2
+    return rows.reshape(heads, half, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def permuted_heads(index: GGUFIndex, config: ModelConfig) -> dict[str, int]:
+    """The GGUF tensor kinds stored permuted (`attn_q`, `attn_k`) -> their head count; empty for an
+    architecture llama.cpp stores in HF's order."""
+    if index.metadata.get("general.architecture") not in PERMUTED_ARCHITECTURES:
+        return {}
+    return {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}
+
+
+def gguf_names(name: str) -> list[str] | None:
+    """Our parameter `name` -> the GGUF tensors it is made of (several for a fused layer), or
+    None for a name of no module ours and llama.cpp's llama-family files share.
+
+    layers.3.self_attn.qkv_proj.weight -> blk.3.attn_q.weight, blk.3.attn_k.weight, blk.3.attn_v.weight
+    """
+    module, _, leaf = name.rpartition(".")
+    if module in _TOP_MODULES:
+        return [f"{_TOP_MODULES[module]}.{leaf}"]
+    match = _LAYER_PARAMETER.fullmatch(name)
+    if match is None:
+        return None
+    layer, module, leaf = match.groups()
+    if module in FUSED_PARTS:
+        return [f"blk.{layer}.{part}.{leaf}" for part in FUSED_PARTS[module]]
+    return [f"blk.{layer}.{_LAYER_MODULES[module]}.{leaf}"] if module in _LAYER_MODULES else None
+
+
+def read_from_gguf(index: GGUFIndex, model: nn.Module, config: ModelConfig,
+                   dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """`model`'s state dict (after the quantized modules replaced the layers they serve, whose
+    blocks are not in it), from the file's tensors dequantized to fp32 and cast to `dtype`,
+    each shape checked against the model's. Raises ValueError naming the file for a tensor
+    that is missing or has the wrong shape."""
+    permuted = permuted_heads(index, config)
+    state = {}
+    for name, param in model.state_dict().items():
+        parts = gguf_names(name)
+        if parts is None:
+            raise ValueError(f"{index.path}: no GGUF tensor name is known for {name}")
+        tensors = []
+        for part in parts:
+            if part not in index.tensors:
+                raise ValueError(f"{index.path}: tensor {part} is missing")
+            values = index.values(part)
+            kind = part.split(".")[-2]
+            tensors.append(torch.from_numpy(hf_row_order(values, permuted[kind]) if kind in permuted else values))
+        tensor = (tensors[0] if len(tensors) == 1 else torch.cat(tensors)).to(dtype)
+        if tensor.shape != param.shape:
+            raise ValueError(f"{index.path}: tensor {', '.join(parts)} has shape {tuple(tensor.shape)}, "
+                             f"the config implies {tuple(param.shape)} for {name}")
+        state[name] = tensor
+    return state

@@ -1,0 +1,86 @@
+"""A quantized GGUF load reads every tensor from the file (models/gguf_weights.py): no dequantized
+copy of the weights in the cache, and each tensor it reads equal, bit for bit, to the one
+transformers' converter writes into the folder (what `quantization="none"` loads).
+
+Files: the tiny random Llama of bench/gguf_models.py in F16 (no type the kernels serve, so every
+tensor is read dequantized: the embedding, the q and k rows llama.cpp permuted, the fused
+layers, the norms) and in Q4_K_M (the norms read, the rest kept as blocks), and the default
+model requantized to Q4_K_M, whose 576-column layers fall back to Q5_0 and Q8_0 in places.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.gguf_models import cached_model
+from radixserve.kernels import cpu as cpu_kernels
+from radixserve.models import load_model, resolve
+from radixserve.models.config import ModelConfig
+from radixserve.models.gguf_index import GGUFIndex
+from radixserve.models.gguf_quantized import quantize_from_gguf
+from radixserve.models.gguf_weights import gguf_names, read_from_gguf
+from radixserve.models.llama import LlamaForCausalLM
+
+pytestmark = pytest.mark.skipif(cpu_kernels.load_library() is None, reason="the CPU kernels are off here")
+
+
+def _read_from_file(path: Path) -> tuple[dict[str, torch.Tensor], int]:
+    """What a quantized load reads from the file, and how many layers it keeps as blocks."""
+    config = ModelConfig.from_folder(resolve.resolve_model(path, weights=False))
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    kept = len(quantize_from_gguf(model, config, path, torch.float32).modules)
+    return read_from_gguf(GGUFIndex(path), model, config, torch.float32), kept
+
+
+def _assert_equal_to_the_converted_folder(path: Path, state: dict[str, torch.Tensor]) -> None:
+    reference = load_model(path, torch.float32, pack_weights=False)  # the folder transformers wrote
+    assert reference.weight_format == "none"
+    expected = reference.model.state_dict()
+    for name, tensor in state.items():
+        assert torch.equal(tensor, expected[name]), name
+
+
+@pytest.mark.parametrize("file_type", ["F16", "Q4_K_M"])
+def test_a_quantized_load_reads_the_file_and_writes_no_weights(file_type: str, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    path = cached_model("tiny", file_type)
+    monkeypatch.setattr(resolve, "cache_dir", lambda: tmp_path)  # a cold cache for the conversion only
+    loaded = load_model(path, torch.float32)
+    entry = loaded.path
+    assert entry.parent == tmp_path / "models"
+    assert (entry / "config.json").is_file() and (entry / "tokenizer.json").is_file()
+    assert not (entry / resolve.WEIGHTS_FILE).exists()
+    state, kept = _read_from_file(path)
+    if file_type == "F16":  # nothing served: every tensor came from the file
+        assert loaded.weight_format == "none" and kept == 0
+        assert {"embed_tokens.weight", "layers.1.self_attn.qkv_proj.weight", "layers.1.mlp.gate_up_proj.weight"} <= set(state)
+    else:
+        assert loaded.weight_format.startswith("gguf Q4_K") and kept > 0
+        assert {"norm.weight", "layers.0.input_layernorm.weight"} <= set(state)
+    _assert_equal_to_the_converted_folder(path, state)
+    assert (entry / resolve.WEIGHTS_FILE).is_file()  # written once a load needed it
+    assert [p.name for p in (tmp_path / "models").iterdir()] == [entry.name]  # no temp folder left
+
+
+@pytest.mark.slow
+def test_the_default_architectures_q4_k_m_reads_its_unserved_layers_from_the_file() -> None:
+    path = cached_model("default", "Q4_K_M")
+    state, kept = _read_from_file(path)
+    assert kept > 0
+    assert any(name.endswith("qkv_proj.weight") for name in state)  # Q5_0 q and k, permuted in the file
+    _assert_equal_to_the_converted_folder(path, state)
+
+
+def test_parameter_names_map_to_the_files_tensors() -> None:
+    assert gguf_names("layers.3.self_attn.qkv_proj.weight") == ["blk.3.attn_q.weight", "blk.3.attn_k.weight", "blk.3.attn_v.weight"]
+    assert gguf_names("layers.0.self_attn.qkv_proj.bias") == ["blk.0.attn_q.bias", "blk.0.attn_k.bias", "blk.0.attn_v.bias"]
+    assert gguf_names("layers.12.mlp.gate_up_proj.weight") == ["blk.12.ffn_gate.weight", "blk.12.ffn_up.weight"]
+    assert gguf_names("layers.2.post_attention_layernorm.weight") == ["blk.2.ffn_norm.weight"]
+    assert gguf_names("layers.2.self_attn.k_norm.weight") == ["blk.2.attn_k_norm.weight"]
+    assert gguf_names("lm_head.weight") == ["output.weight"]
+    assert gguf_names("norm.weight") == ["output_norm.weight"]
+    assert gguf_names("layers.0.mlp.experts.weight") is None
