@@ -46,7 +46,7 @@ from radixserve.kernels import quant_linear as qk
 from radixserve.kernels.quant_linear import QuantType
 from radixserve.models.config import ModelConfig
 from radixserve.models.gguf_index import GGUFIndex
-from radixserve.models.gguf_weights import FUSED_PARTS, hf_row_order, permuted_heads
+from radixserve.models.gguf_weights import LINEAR_PARTS, hf_row_order, permuted_heads
 from radixserve.models.packed_linear import onednn_packs
 
 # a forward of this many rows or more (a prefill chunk) widens the weight once and multiplies
@@ -246,7 +246,7 @@ def quantize_from_gguf(model: nn.Module, config: ModelConfig, gguf_path: Path, d
         return parts
 
     for i, layer in enumerate(model.layers):
-        for path, kinds in FUSED_PARTS.items():
+        for path, kinds in LINEAR_PARTS.items():
             owner_name, attr = path.split(".")
             owner = getattr(layer, owner_name)
             linear = getattr(owner, attr)

@@ -22,9 +22,10 @@ from radixserve.models.config import ModelConfig
 from radixserve.models.gguf_index import GGUFIndex
 
 # GGUF architectures whose q/k rows llama.cpp's converter permuted (transformers' LlamaTensorProcessor)
-PERMUTED_ARCHITECTURES = frozenset({"llama"})
-# our fused module -> the GGUF tensors it concatenates along the output dimension, in order
-FUSED_PARTS = {
+_PERMUTED_ARCHITECTURES = frozenset({"llama"})
+# our linear modules in a decoder layer -> the GGUF tensors each is, side by side along the
+# output dimension in this order (q/k/v and gate/up are fused)
+LINEAR_PARTS = {
     "self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"),
     "self_attn.o_proj": ("attn_output",),
     "mlp.gate_up_proj": ("ffn_gate", "ffn_up"),
@@ -51,7 +52,7 @@ def hf_row_order(rows: np.ndarray, heads: int) -> np.ndarray:
 def permuted_heads(index: GGUFIndex, config: ModelConfig) -> dict[str, int]:
     """The GGUF tensor kinds stored permuted (`attn_q`, `attn_k`) -> their head count; empty for an
     architecture llama.cpp stores in HF's order."""
-    if index.metadata.get("general.architecture") not in PERMUTED_ARCHITECTURES:
+    if index.metadata.get("general.architecture") not in _PERMUTED_ARCHITECTURES:
         return {}
     return {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}
 
@@ -69,8 +70,8 @@ def gguf_names(name: str) -> list[str] | None:
     if match is None:
         return None
     layer, module, leaf = match.groups()
-    if module in FUSED_PARTS:
-        return [f"blk.{layer}.{part}.{leaf}" for part in FUSED_PARTS[module]]
+    if module in LINEAR_PARTS:
+        return [f"blk.{layer}.{part}.{leaf}" for part in LINEAR_PARTS[module]]
     return [f"blk.{layer}.{_LAYER_MODULES[module]}.{leaf}"] if module in _LAYER_MODULES else None
 
 
