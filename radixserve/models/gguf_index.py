@@ -64,14 +64,19 @@ class GGUFTensor:
 
 class GGUFIndex:
     """A GGUF file's tensors by name (`tensors`), its non-array metadata (`metadata`), and each
-    tensor's bytes (`rows`). Raises ValueError, naming the file, for anything malformed: a
-    wrong magic or version, a truncated header, a tensor of an unknown type or past the end."""
+    tensor's bytes (`rows`). Raises ValueError, naming the file, for a file it cannot read and
+    for anything malformed: a wrong magic or version, a truncated header, a tensor of an
+    unknown type or past the end."""
 
     def __init__(self, path: Path | str) -> None:
         self.path = Path(path)
-        if self.path.stat().st_size < HEADER_BYTES:
-            raise ValueError(f"{self.path} is too short to be a GGUF file ({self.path.stat().st_size} bytes)")
-        self._file = np.memmap(self.path, dtype=np.uint8, mode="r")
+        try:
+            size = self.path.stat().st_size
+            if size < HEADER_BYTES:
+                raise ValueError(f"{self.path} is too short to be a GGUF file ({size} bytes)")
+            self._file = np.memmap(self.path, dtype=np.uint8, mode="r")
+        except OSError as e:
+            raise ValueError(f"cannot read GGUF file {self.path}: {e}") from e
         self._view = memoryview(self._file)
         self._at = 0
         try:

@@ -34,7 +34,6 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -182,13 +181,10 @@ class QuantizedLoad:
 class _GGUFFile:
     """The tensors of one GGUF file by name, with what the kernels need to know of each."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        try:
-            self.index = GGUFIndex(path)  # a malformed file is a ValueError that names it
-        except OSError as e:
-            raise ValueError(f"cannot read GGUF file {path}: {e}") from e
-        self.tensors = self.index.tensors
+    def __init__(self, index: GGUFIndex) -> None:
+        self.index = index
+        self.path = index.path
+        self.tensors = index.tensors
 
     def blocks(self, name: str, rows: int, cols: int, permute_heads: int | None = None) -> tuple[QuantType, np.ndarray] | None:
         """The tensor `name` as its type and a copy of its blocks [rows, bytes a row], or None if
@@ -215,11 +211,12 @@ class _GGUFFile:
         return self.tensors[name].type_name
 
 
-def quantize_from_gguf(model: nn.Module, config: ModelConfig, gguf_path: Path, dtype: torch.dtype) -> QuantizedLoad:
-    """Replace `model`'s linear layers (and embedding) whose GGUF tensors the kernels serve with
-    quantized modules, in place; the model may still be on the meta device. The loader then
-    reads what is left (norms, biases, unserved layers): models/gguf_weights.py."""
-    f = _GGUFFile(gguf_path)
+def quantize_from_gguf(model: nn.Module, config: ModelConfig, index: GGUFIndex, dtype: torch.dtype) -> QuantizedLoad:
+    """Replace `model`'s linear layers (and embedding) whose tensors in the GGUF file `index`
+    the kernels serve with quantized modules, in place; the model may still be on the meta
+    device. The loader then reads what is left (norms, biases, unserved layers) from the same
+    index: models/gguf_weights.py."""
+    f = _GGUFFile(index)
     c = config
     out_sizes = {"attn_q": c.num_heads * c.head_dim, "attn_k": c.num_kv_heads * c.head_dim,
                  "attn_v": c.num_kv_heads * c.head_dim, "attn_output": c.hidden_size,

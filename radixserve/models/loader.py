@@ -84,12 +84,13 @@ def load_model(
         model = ARCHITECTURES[config.architecture](config)
     weight_format = "none"
     if quantize:
-        quantized = quantize_from_gguf(model, config, source, dtype)
+        index = GGUFIndex(source)  # read once, for the blocks and for the rest
+        quantized = quantize_from_gguf(model, config, index, dtype)
         weight_format = quantized.weight_format
         for kind, names in sorted(quantized.dequantized.items()):
             log.info("%s: %d tensors of type %s have no quantized kernel; dequantized to %s (e.g. %s)",
                      source.name, len(names), kind, dtype, names[0])
-        state = read_from_gguf(GGUFIndex(source), model, config, dtype)
+        state = read_from_gguf(index, model, config, dtype)
     else:
         state = _read_weights(path, model, dtype, torch.device(device))
     model.load_state_dict(state, assign=True)

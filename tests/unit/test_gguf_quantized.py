@@ -30,6 +30,7 @@ from bench.gguf_models import cached_model
 from radixserve.kernels import cpu as cpu_kernels
 from radixserve.models import default_gguf, load_model
 from radixserve.models.config import ModelConfig
+from radixserve.models.gguf_index import GGUFIndex
 from radixserve.models.gguf_quantized import QuantizedEmbedding, QuantizedLinear, quantize_from_gguf
 from radixserve.tokenizer import apply_chat_template, load_tokenizer
 
@@ -171,4 +172,4 @@ def test_a_file_that_disagrees_with_its_config_is_refused(default_model_dir) -> 
 
         model = LlamaForCausalLM(wrong)
     with pytest.raises(ValueError, match=r"blk\.0\.ffn_gate\.weight has shape .* the config implies"):
-        quantize_from_gguf(model, wrong, default_gguf(), torch.float32)
+        quantize_from_gguf(model, wrong, GGUFIndex(default_gguf()), torch.float32)

@@ -32,8 +32,9 @@ def _read_from_file(path: Path) -> tuple[dict[str, torch.Tensor], int]:
     config = ModelConfig.from_folder(resolve.resolve_model(path, weights=False))
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    kept = len(quantize_from_gguf(model, config, path, torch.float32).modules)
-    return read_from_gguf(GGUFIndex(path), model, config, torch.float32), kept
+    index = GGUFIndex(path)
+    kept = len(quantize_from_gguf(model, config, index, torch.float32).modules)
+    return read_from_gguf(index, model, config, torch.float32), kept
 
 
 def _assert_equal_to_the_converted_folder(path: Path, state: dict[str, torch.Tensor]) -> None:
