@@ -364,8 +364,8 @@ def render_disk_tier(results: Path) -> str:
     ])
 
 
-def _segment_quality(d: dict[str, Any]) -> str:
-    q = d["quality"]
+def _segment_quality(d: dict[str, Any], key: str = "quality") -> str:
+    q = d[key]
     n = next((k.rsplit("_", 1)[1] for k in next(iter(q["ratios"].values())) if k.startswith("prefix_agreement_")), "16")
     rows = [[f"{float(ratio):g}", f"{r['mean_kl']:.4f}", f"{r['max_kl']:.3f}", f"{r['first_token_agreement']:.3f}",
              f"{r[f'prefix_agreement_{n}']:.3f}"] for ratio, r in q["ratios"].items()]
@@ -392,6 +392,8 @@ def render_segment_reuse(results: Path) -> str:
         e = _load(results, fp32.name)
         lines += ["", f"The same in {e.get('dtype')} (`bench/results/{fp32.name}`, {e.get('date')}, CPU: {e.get('cpu')}):",
                   "", _segment_quality(e)]
+    for key in [k for k in d if k.startswith("quality_")]:  # quality rerun on another machine or code, in file order
+        lines += ["", f"The same again ({d[key]['note']}):", "", _segment_quality(d, key)]
     for key in [k for k in d if k.startswith("speed")]:  # one speed run per machine or tier, in file order
         sp, t = d[key], d["targets"]
         on, off = sp["median"]["on"], sp["median"]["off"]
