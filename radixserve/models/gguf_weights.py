@@ -1,13 +1,19 @@
-"""A GGUF file's tensors under our parameter names, read from the file itself: what a quantized
-load (`--quantization gguf`, models/gguf_quantized.py) does not keep as blocks, that is the
-norms, the biases and any layer of a type the kernels do not serve.
+"""A GGUF file's tensors dequantized, read from the file itself, under our parameter names or
+under an HF checkpoint's.
 
-Reading them from the file spares the model's cache entry its dequantized copy of every weight
-(models/resolve.py), whose conversion takes most of a first load's time and 4-8x the file's
-size on disk. Each tensor is the one transformers' GGUF loader computes, bit for bit
-(tests/unit/test_gguf_weights.py): the gguf package's dequantization, and for a llama file's q
-and k the inverse of llama.cpp's per-head row permutation (`hf_row_order`), which the
-quantized layers apply to their rows of blocks too.
+- `read_from_gguf`: what a quantized load (`--quantization gguf`, models/gguf_quantized.py) does
+  not keep as blocks, that is the norms, the biases and any layer of a type the kernels do not
+  serve. Reading them from the file spares the model's cache entry a dequantized copy of every
+  weight (models/resolve.py), 4-8x the file's size on disk.
+- `hf_checkpoint`: every weight under HF's names, for the safetensors file a dequantizing load
+  (`--quantization none`, a GPU) reads and a transformers reference model can load.
+
+Each tensor is the one transformers' GGUF loader computes, bit for bit
+(tests/unit/test_gguf_weights.py, tests/unit/test_models.py): the gguf package's
+dequantization, and for a llama file's q and k the inverse of llama.cpp's per-head row
+permutation (`hf_row_order`), which the quantized layers apply to their rows of blocks too.
+Reading them here instead of through transformers' converter skips its parse of the file and
+its building of the model: most of a dequantizing first load's time.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from torch import nn
 
 from radixserve.models.config import ModelConfig
 from radixserve.models.gguf_index import GGUFIndex
+from radixserve.models.llama import ARCHITECTURES, hf_names
 
 # GGUF architectures whose q/k rows llama.cpp's converter permuted (transformers' LlamaTensorProcessor)
 _PERMUTED_ARCHITECTURES = frozenset({"llama"})
@@ -84,19 +91,44 @@ def read_from_gguf(index: GGUFIndex, model: nn.Module, config: ModelConfig,
     permuted = permuted_heads(index, config)
     state = {}
     for name, param in model.state_dict().items():
-        parts = gguf_names(name)
-        if parts is None:
-            raise ValueError(f"{index.path}: no GGUF tensor name is known for {name}")
-        tensors = []
-        for part in parts:
-            if part not in index.tensors:
-                raise ValueError(f"{index.path}: tensor {part} is missing")
-            values = index.values(part)
-            kind = part.split(".")[-2]
-            tensors.append(torch.from_numpy(hf_row_order(values, permuted[kind]) if kind in permuted else values))
+        parts = _gguf_parts(index, name)
+        tensors = [_read(index, part, permuted) for part in parts]
         tensor = (tensors[0] if len(tensors) == 1 else torch.cat(tensors)).to(dtype)
         if tensor.shape != param.shape:
             raise ValueError(f"{index.path}: tensor {', '.join(parts)} has shape {tuple(tensor.shape)}, "
                              f"the config implies {tuple(param.shape)} for {name}")
         state[name] = tensor
     return state
+
+
+def hf_checkpoint(index: GGUFIndex, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Every weight of the file's model in fp32 under an HF checkpoint's names (q, k, v and gate,
+    up apart; no `lm_head` for tied embeddings): the state dict transformers' GGUF conversion
+    gives. Raises ValueError naming the file for an unsupported architecture or a missing
+    tensor; shapes are checked when a load reads the checkpoint."""
+    if config.architecture not in ARCHITECTURES:
+        raise ValueError(f"{index.path}: architecture {config.architecture} is not supported "
+                         f"(supported: {', '.join(sorted(ARCHITECTURES))})")
+    with torch.device("meta"):
+        model = ARCHITECTURES[config.architecture](config)
+    permuted = permuted_heads(index, config)
+    return {hf: _read(index, part, permuted)
+            for name in model.state_dict()
+            for hf, part in zip(hf_names(name), _gguf_parts(index, name), strict=True)}
+
+
+def _gguf_parts(index: GGUFIndex, name: str) -> list[str]:
+    parts = gguf_names(name)
+    if parts is None:
+        raise ValueError(f"{index.path}: no GGUF tensor name is known for {name}")
+    for part in parts:
+        if part not in index.tensors:
+            raise ValueError(f"{index.path}: tensor {part} is missing")
+    return parts
+
+
+def _read(index: GGUFIndex, part: str, permuted: dict[str, int]) -> torch.Tensor:
+    """One GGUF tensor dequantized to fp32, its rows in HF's order."""
+    values = index.values(part)
+    kind = part.split(".")[-2]
+    return torch.from_numpy(hf_row_order(values, permuted[kind]) if kind in permuted else values)

@@ -133,3 +133,22 @@ ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
 }
+
+# our fused modules -> the HF modules each concatenates (along dim 0, in this order)
+_HF_FUSED = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+
+
+def hf_names(name: str) -> list[str]:
+    """Our parameter name -> the tensors of an HF checkpoint it is made of, in order.
+
+    layers.3.self_attn.qkv_proj.weight -> model.layers.3.self_attn.{q,k,v}_proj.weight
+    """
+    hf = name if name.startswith("lm_head.") else f"model.{name}"
+    module, _, leaf = hf.rpartition(".")
+    parent, _, last = module.rpartition(".")
+    if last in _HF_FUSED:
+        return [f"{parent}.{part}.{leaf}" for part in _HF_FUSED[last]]
+    return [hf]

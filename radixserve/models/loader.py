@@ -24,15 +24,10 @@ from radixserve.models.config import ModelConfig
 from radixserve.models.gguf_index import GGUFIndex
 from radixserve.models.gguf_quantized import quantize_from_gguf
 from radixserve.models.gguf_weights import read_from_gguf
-from radixserve.models.llama import ARCHITECTURES, LlamaForCausalLM
+from radixserve.models.llama import ARCHITECTURES, LlamaForCausalLM, hf_names
 from radixserve.models.packed_linear import fp32_logits_head, pack_linears, packed_linear
 from radixserve.models.resolve import gguf_file, resolve_model
 
-# our fused module -> the HF modules it concatenates (along dim 0, in this order)
-_FUSED = {
-    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
-    "gate_up_proj": ("gate_proj", "up_proj"),
-}
 # checkpoint tensors we recompute ourselves
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -106,19 +101,6 @@ def load_model(
     return LoadedModel(model.eval().requires_grad_(False), config, path, weight_format)
 
 
-def _hf_names(name: str) -> list[str]:
-    """Our parameter name -> the HF checkpoint tensors it is made of.
-
-    layers.3.self_attn.qkv_proj.weight -> model.layers.3.self_attn.{q,k,v}_proj.weight
-    """
-    hf = name if name.startswith("lm_head.") else f"model.{name}"
-    module, _, leaf = hf.rpartition(".")
-    parent, _, last = module.rpartition(".")
-    if last in _FUSED:
-        return [f"{parent}.{part}.{leaf}" for part in _FUSED[last]]
-    return [hf]
-
-
 def _read_weights(path: Path, model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
     """Our state dict from the folder's safetensors files; every tensor checked by name and shape."""
     with ExitStack() as stack:
@@ -129,7 +111,7 @@ def _read_weights(path: Path, model: LlamaForCausalLM, dtype: torch.dtype, devic
         where = {name: f for f in files for name in f.keys()}  # HF name -> open file
         state, missing, used = {}, [], set()
         for name, param in model.state_dict().items():
-            parts = _hf_names(name)
+            parts = hf_names(name)
             absent = [p for p in parts if p not in where]
             if absent:
                 missing += absent

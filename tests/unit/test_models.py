@@ -249,7 +249,8 @@ def test_default_model_matches_hf_gguf(
 def test_default_conversion_is_exact(
     default_model_dir: Path, hf_default_model: torch.nn.Module
 ) -> None:
-    """The cached safetensors hold exactly the tensors transformers dequantized, and the cached
+    """The cached safetensors (written by models/gguf_weights.py) hold exactly the tensors
+    transformers reads from the GGUF, and the cached
     tokenizer encodes like the GGUF's."""
     cached = load_file(default_model_dir / "model.safetensors")
     reference = hf_default_model.state_dict()
