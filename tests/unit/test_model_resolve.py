@@ -1,8 +1,8 @@
 """Model specs -> HF folders: errors that name the path, and the GGUF conversion cache.
 
 Cache tests replace the (slow) conversions, of the config and tokenizer and of the weights, by
-fakes that count their calls; the real conversion of the default model
-is covered in test_models.py, and an entry without weights in test_gguf_weights.py.
+fakes that count their calls; the real conversion of the default model is covered in
+test_models.py, and an entry without weights in test_gguf_weights.py.
 """
 
 from __future__ import annotations
