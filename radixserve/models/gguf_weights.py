@@ -26,7 +26,7 @@ from torch import nn
 
 from radixserve.models.config import ModelConfig
 from radixserve.models.gguf_index import GGUFIndex
-from radixserve.models.llama import ARCHITECTURES, hf_names
+from radixserve.models.llama import hf_names, model_on_meta
 
 # GGUF architectures whose q/k rows llama.cpp's converter permuted (transformers' LlamaTensorProcessor)
 _PERMUTED_ARCHITECTURES = frozenset({"llama"})
@@ -106,11 +106,7 @@ def hf_checkpoint(index: GGUFIndex, config: ModelConfig) -> dict[str, torch.Tens
     up apart; no `lm_head` for tied embeddings): the state dict transformers' GGUF conversion
     gives. Raises ValueError naming the file for an unsupported architecture or a missing
     tensor; shapes are checked when a load reads the checkpoint."""
-    if config.architecture not in ARCHITECTURES:
-        raise ValueError(f"{index.path}: architecture {config.architecture} is not supported "
-                         f"(supported: {', '.join(sorted(ARCHITECTURES))})")
-    with torch.device("meta"):
-        model = ARCHITECTURES[config.architecture](config)
+    model = model_on_meta(config, index.path)
     permuted = permuted_heads(index, config)
     return {hf: _read(index, part, permuted)
             for name in model.state_dict()

@@ -8,6 +8,8 @@ token belongs to and where its cached keys/values live.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -133,6 +135,16 @@ ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
 }
+
+
+def model_on_meta(config: ModelConfig, source: Path) -> LlamaForCausalLM:
+    """`config`'s model on the meta device (no memory, no random init), for a load to assign
+    weights into. Raises ValueError naming `source` for an architecture not in ARCHITECTURES."""
+    if config.architecture not in ARCHITECTURES:
+        raise ValueError(f"{source}: architecture {config.architecture} is not supported "
+                         f"(supported: {', '.join(sorted(ARCHITECTURES))})")
+    with torch.device("meta"):
+        return ARCHITECTURES[config.architecture](config)
 
 # our fused modules -> the HF modules each concatenates (along dim 0, in this order)
 _HF_FUSED = {

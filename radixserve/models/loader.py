@@ -24,7 +24,7 @@ from radixserve.models.config import ModelConfig
 from radixserve.models.gguf_index import GGUFIndex
 from radixserve.models.gguf_quantized import quantize_from_gguf
 from radixserve.models.gguf_weights import read_from_gguf
-from radixserve.models.llama import ARCHITECTURES, LlamaForCausalLM, hf_names
+from radixserve.models.llama import LlamaForCausalLM, hf_names, model_on_meta
 from radixserve.models.packed_linear import fp32_logits_head, pack_linears, packed_linear
 from radixserve.models.resolve import gguf_file, resolve_model
 
@@ -69,14 +69,8 @@ def load_model(
     # a quantized load reads every tensor from the GGUF: its folder needs no dequantized weights
     path = resolve_model(spec, weights=not quantize)
     config = ModelConfig.from_folder(path)
-    if config.architecture not in ARCHITECTURES:
-        raise ValueError(
-            f"{path}: architecture {config.architecture} is not supported "
-            f"(supported: {', '.join(sorted(ARCHITECTURES))})"
-        )
+    model = model_on_meta(config, path)
     dtype = dtype or config.torch_dtype
-    with torch.device("meta"):
-        model = ARCHITECTURES[config.architecture](config)
     weight_format = "none"
     if quantize:
         index = GGUFIndex(source)  # read once, for the blocks and for the rest
