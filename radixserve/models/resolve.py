@@ -175,16 +175,16 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
 
 
-def dequantize_gguf(gguf: Path, config: Path, out: Path) -> None:
+def dequantize_gguf(gguf: Path, entry: Path, out: Path) -> None:
     """Dequantize `gguf`'s tensors to fp32 and write them to the safetensors file `out` under HF's
     names: what transformers' GGUF conversion gives, bit for bit, read by models/gguf_weights.py
-    without transformers parsing the file and building the model again. `config` is the
-    entry's folder, with the config `convert_gguf` wrote."""
+    without transformers parsing the file and building the model again. `entry` is the cache
+    folder holding the config `convert_gguf` wrote."""
     from safetensors.torch import save_file
 
     from radixserve.models.config import ModelConfig
     from radixserve.models.gguf_index import GGUFIndex
     from radixserve.models.gguf_weights import hf_checkpoint
 
-    state = hf_checkpoint(GGUFIndex(gguf), ModelConfig.from_folder(config))
+    state = hf_checkpoint(GGUFIndex(gguf), ModelConfig.from_folder(entry))
     save_file({k: v.contiguous() for k, v in state.items()}, out, {"format": "pt"})

@@ -32,7 +32,7 @@ def conversions(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Path]]:
         calls.append(("config", gguf))
         (out / "config.json").write_text("{}")
 
-    def fake_dequantize(gguf: Path, config: Path, out: Path) -> None:
+    def fake_dequantize(gguf: Path, entry: Path, out: Path) -> None:
         calls.append(("weights", gguf))
         out.write_bytes(b"weights")
 
@@ -124,7 +124,7 @@ def test_the_weights_are_converted_only_when_a_load_asks(
     assert (entry / "config.json").is_file() and not (entry / resolve.WEIGHTS_FILE).exists()
     assert resolve_model(gguf, weights=False) == entry and conversions == [("config", gguf)]
 
-    def crash(gguf: Path, config: Path, out: Path) -> None:
+    def crash(gguf: Path, entry: Path, out: Path) -> None:
         out.write_bytes(b"half written")
         raise KeyboardInterrupt
 
