@@ -324,9 +324,12 @@ def test_killed_worker_with_no_restarts_fails_requests_and_shutdown_leaves_no_or
 def test_stopping_the_parent_leaves_no_orphans(tiny_dir, tmp_path, sig):
     script = tmp_path / "parent.py"
     script.write_text(
-        "import sys, time\n"
+        "import signal, sys, time\n"
         "from radixserve import Engine\n"
         "if __name__ == '__main__':\n"
+        # as an interactive program is: a suite started as a background job passes its children
+        # SIGINT ignored, and Python then installs no KeyboardInterrupt handler
+        "    signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         f"    eng = Engine(model={str(tiny_dir)!r}, dtype='float32', kv_pages=64)\n"
         "    print(*[p.pid for p in eng._backend.processes], flush=True)\n"
         # short sleeps: a SIGINT that lands after print's signal check but before a long sleep
